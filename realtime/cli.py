@@ -1,0 +1,125 @@
+"""`vllm-realtime` command line: `serve` and `models list|build`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def parse_engine_passthrough(tokens: list[str]) -> dict[str, Any]:
+    """`--some-engine-arg VALUE` / `--flag` pairs (vLLM engine args) → AsyncEngineArgs kwargs."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            raise SystemExit(f"unexpected argument {tok!r}")
+        key, eq, val = tok[2:].partition("=")
+        key = key.replace("-", "_")
+        if eq:
+            out[key] = _parse_value(val)
+        elif i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+            out[key] = _parse_value(tokens[i + 1])
+            i += 1
+        else:
+            out[key] = True
+        i += 1
+    return out
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from realtime.models import (
+        DEFAULT_MODELS,
+        DEFAULT_SERVE_MODEL,
+        build_model,
+        is_built,
+        model_dir,
+    )
+
+    if args.action == "list":
+        for name, spec in DEFAULT_MODELS.items():
+            state = "built" if is_built(name) else "not built"
+            default = " (default)" if name == DEFAULT_SERVE_MODEL else ""
+            print(f"{name}{default}\t{spec.modality}\t{state}\t{model_dir(name)}")
+            print(f"    {spec.description}")
+        return 0
+    names = list(DEFAULT_MODELS) if args.all or not args.names else args.names
+    for name in names:
+        if name not in DEFAULT_MODELS:
+            print(
+                f"unknown default model {name!r}; known: {', '.join(DEFAULT_MODELS)}",
+                file=sys.stderr,
+            )
+            return 2
+        print(build_model(name, force=args.force))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from realtime.config import ServerConfig
+    from realtime.engine import EngineSettings
+    from realtime.server import run_server
+
+    settings = EngineSettings(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs,
+        extra=parse_engine_passthrough(passthrough),
+    )
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_sessions=args.max_sessions,
+        idle_timeout_s=args.idle_timeout,
+        max_frame_bytes=args.max_frame_bytes,
+    )
+    run_server(config, settings)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from realtime.models import DEFAULT_SERVE_MODEL
+
+    parser = argparse.ArgumentParser(prog="vllm-realtime", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the realtime server (unknown --flags go to vLLM)")
+    serve.add_argument(
+        "--model", default=DEFAULT_SERVE_MODEL, help="default model name, local path or hub id"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", default=None, help="require this key (Bearer header or WS subprotocol)"
+    )
+    serve.add_argument("--max-model-len", type=int, default=2048)
+    serve.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
+    serve.add_argument("--max-num-seqs", type=int, default=32)
+    serve.add_argument("--max-sessions", type=int, default=32)
+    serve.add_argument("--idle-timeout", type=float, default=300.0, help="seconds without a frame")
+    serve.add_argument("--max-frame-bytes", type=int, default=4 << 20)
+    models = sub.add_parser("models", help="list or build the embedded default models")
+    models.add_argument("action", choices=["list", "build"])
+    models.add_argument("names", nargs="*")
+    models.add_argument("--all", action="store_true")
+    models.add_argument("--force", action="store_true")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        return _cmd_serve(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return _cmd_models(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

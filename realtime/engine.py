@@ -1,0 +1,118 @@
+"""Start one vLLM AsyncLLM for the server, with the settings this design needs.
+
+Start-up guards live here: configurations that cannot serve bounded streaming sessions fail at
+start with a clear message instead of at the first session.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from realtime.models import resolve_model
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+
+class EngineConfigError(RuntimeError):
+    """A requested engine configuration that bounded streaming sessions cannot work with."""
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def prepare_process_env() -> None:
+    """Environment vLLM needs on this kind of machine; set before vLLM is imported."""
+    if not _has_cuda():
+        # "auto" binds the worker to core 0 and reserves the others; on small machines that
+        # starves the server. nobind lets the OS schedule.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the server passes to vLLM; one frozen object instead of many keywords."""
+
+    model: str
+    max_model_len: int = 2048
+    # The CPU worker sizes KV from the NUMA node and refuses to start on small machines unless a
+    # size is given; a few MiB per session is plenty for the embedded models.
+    kv_cache_memory_bytes: int | None = 256 << 20
+    block_size: int | None = None
+    max_num_seqs: int = 32
+    dtype: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def with_overrides(self, **kwargs: Any) -> EngineSettings:
+        return replace(self, **kwargs)
+
+
+def build_engine_args(settings: EngineSettings) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    extra = dict(settings.extra)
+    # Guards: fail fast on what the session layer cannot serve.
+    if int(extra.get("pipeline_parallel_size", 1) or 1) != 1:
+        raise EngineConfigError("pipeline parallelism is not supported for streaming sessions")
+    if extra.get("async_scheduling"):
+        raise EngineConfigError(
+            "async scheduling is not supported: a session's next chunk is folded in only after "
+            "the previous chunk's output is final"
+        )
+    if extra.get("mm_processor_cache_gb", 0):
+        raise EngineConfigError(
+            "the multimodal processor cache must stay off: an identical later frame would hit a "
+            "data-less cache entry whose KV was evicted"
+        )
+    if not _has_cuda() and settings.block_size is not None and settings.block_size % 32:
+        raise EngineConfigError(
+            "the CPU attention backend needs a block size that is a multiple of 32"
+        )
+    kwargs: dict[str, Any] = dict(
+        model=resolve_model(settings.model),
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        dtype=settings.dtype,
+        seed=settings.seed,
+        enforce_eager=settings.enforce_eager,
+        mm_processor_cache_gb=0,
+        async_scheduling=False,
+        disable_log_stats=True,
+    )
+    if settings.kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if settings.block_size is not None:
+        kwargs["block_size"] = settings.block_size
+    kwargs.update(extra)
+    args = AsyncEngineArgs(**kwargs)
+    return args
+
+
+def is_multimodal_model(engine: AsyncLLM) -> bool:
+    return bool(engine.model_config.is_multimodal_model)
+
+
+def start_engine(settings: EngineSettings) -> AsyncLLM:
+    """Start AsyncLLM (EngineCore runs in its own process)."""
+    prepare_process_env()
+    from retention.vllm_adapter import check_vllm_version
+
+    check_vllm_version()
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = build_engine_args(settings)
+    if args.data_parallel_size and int(args.data_parallel_size) > 1:
+        raise EngineConfigError(
+            "data parallelism inside one server is not supported (see docs/scale-out)"
+        )
+    return AsyncLLM.from_engine_args(args)

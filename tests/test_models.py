@@ -1,0 +1,92 @@
+"""The embedded default models: built locally, loadable, and served by vLLM like transformers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from realtime.models import DEFAULT_MODELS, build_model, is_built, model_dir
+
+
+def test_every_default_model_builds_once_and_is_reused() -> None:
+    for name in DEFAULT_MODELS:
+        path = build_model(name)
+        assert is_built(name)
+        stamp = (path / "config.json").stat().st_mtime_ns
+        assert build_model(name) == path  # second call reuses, does not rebuild
+        assert (path / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_smollm2_config_is_the_real_model() -> None:
+    cfg = json.loads((model_dir("smollm2-135m-instruct") / "config.json").read_text())
+    # SmolLM2-135M: 30 layers, hidden 576, 9/3 heads, 8192 positions, rope_theta 1e5.
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"]) == (30, 576)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (9, 3)
+    assert cfg["max_position_embeddings"] == 8192
+    assert cfg["rope_theta"] == 100000.0
+
+
+def test_tiny_vlm_processor_tokens() -> None:
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(str(model_dir("tiny-qwen2-vl")))
+    tok = proc.tokenizer
+    assert len(tok) == 1024  # padded so every sampled id decodes
+    for special in (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|vision_start|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    ):
+        assert tok.convert_tokens_to_ids(special) < 1024
+    image = Image.new("RGB", (112, 112), (120, 30, 200))
+    text = "<|vision_start|><|image_pad|><|vision_end|>hi"
+    out = proc(text=[text], images=[image], return_tensors="pt")
+    # 112×112 → 8×8 patches of 14 px → 2×2 merge → 16 LLM tokens.
+    n_pad = int((out["input_ids"] == tok.convert_tokens_to_ids("<|image_pad|>")).sum())
+    assert n_pad == 16
+
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "Write one sentence about the sea.",
+]
+
+
+@pytest.mark.slow
+async def test_vllm_greedy_equals_transformers_greedy_on_smollm2(smollm2_engine) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = str(model_dir("smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    answers = []
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0][
+                len(ids) :
+            ]
+        final = None
+        async for out in smollm2_engine.generate(
+            TokensPrompt(prompt_token_ids=ids), params, request_id=uuid.uuid4().hex
+        ):
+            final = out
+        assert final is not None
+        got = list(final.outputs[0].token_ids)
+        want = ref.tolist()[: len(got)]
+        assert got == want, (prompt, tok.decode(got), tok.decode(want))
+        answers.append(tok.decode(got))
+    # The real model answers: the converted weights are not noise.
+    assert "Paris" in answers[0]
