@@ -1,7 +1,7 @@
 """vLLM general plugin: runs once in every vLLM process (front end, EngineCore, workers).
 
-Must be idempotent. It only checks the vLLM version for now, so that a mismatched install fails
-loudly in every process, before any hook would patch internals it does not know.
+Must be idempotent. It checks the vLLM version first, so that a mismatched install fails loudly in
+every process before any hook patches internals it does not know; then installs the hooks.
 """
 
 from __future__ import annotations
@@ -16,4 +16,7 @@ def register() -> None:
     if _registered:
         return
     check_vllm_version()
+    from retention.vllm_adapter.introspect import install_engine_core_utilities
+
+    install_engine_core_utilities()
     _registered = True

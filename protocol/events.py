@@ -1,0 +1,496 @@
+"""Wire events of the vllm-realtime protocol, one pydantic model per event.
+
+Every message on the WebSocket (except a binary frame payload) is one JSON
+object with a ``type`` field naming the event.  Client events (client → server)
+refuse unknown fields and are validated strictly (no ``"64"`` for ``64``);
+server events (server → client) ignore unknown fields so that older clients
+keep working when the server grows a field.
+
+Every event carries an optional ``event_id``.  The client may set one on its
+events; an ``error`` answering that event echoes it in ``error.event_id``.
+Server events always carry one, generated as ``evt_`` + 24 hex characters.
+
+``ClientEvent`` and ``ServerEvent`` are discriminated unions (on ``type``) and
+``CLIENT_EVENT_ADAPTER`` / ``SERVER_EVENT_ADAPTER`` validate them; the codec
+(:mod:`protocol.codec`) is the intended entry point for wire bytes.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Literal, TypeAlias
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic_core import PydanticCustomError
+
+from protocol.constants import (
+    DEFAULT_MAX_EVENT_BYTES,
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_EVENT_ID_CHARS,
+    PROTOCOL_VERSION,
+)
+
+__all__ = [
+    "CLIENT_EVENT_ADAPTER",
+    "CLIENT_EVENT_TYPES",
+    "SERVER_EVENT_ADAPTER",
+    "SERVER_EVENT_TYPES",
+    "ClientEvent",
+    "CloseReason",
+    "ErrorDetail",
+    "ErrorEvent",
+    "ErrorType",
+    "FrameAppendEvent",
+    "FrameFormat",
+    "InputAckEvent",
+    "Limits",
+    "Modality",
+    "ResponseCancelEvent",
+    "ResponseCreatedEvent",
+    "ResponseDoneEvent",
+    "ResponseStatus",
+    "ResponseTextDeltaEvent",
+    "RetentionConfig",
+    "RetentionState",
+    "SamplingConfig",
+    "ServerEvent",
+    "SessionCloseEvent",
+    "SessionClosedEvent",
+    "SessionConfig",
+    "SessionCreatedEvent",
+    "SessionOpenEvent",
+    "SessionOpenedEvent",
+    "Timing",
+    "Usage",
+    "new_event_id",
+    "new_session_id",
+]
+
+Modality: TypeAlias = Literal["video", "text"]
+FrameFormat: TypeAlias = Literal["jpeg", "png", "webp", "auto"]
+ResponseStatus: TypeAlias = Literal["completed", "cancelled", "failed", "incomplete"]
+CloseReason: TypeAlias = Literal[
+    "client_closed", "disconnect", "idle_timeout", "engine_error", "server_shutdown", "error"
+]
+ErrorType: TypeAlias = Literal[
+    "invalid_request_error", "capacity_error", "auth_error", "server_error", "timeout_error"
+]
+
+
+def new_event_id() -> str:
+    """Return a fresh server event id: ``evt_`` followed by 24 random hex characters."""
+    return "evt_" + secrets.token_hex(12)
+
+
+def new_session_id() -> str:
+    """Return a fresh session id: ``sess_`` followed by 24 random hex characters."""
+    return "sess_" + secrets.token_hex(12)
+
+
+# --------------------------------------------------------------------------- bases
+
+
+class _Inbound(BaseModel):
+    """Base of everything a client sends: strict, closed, immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class _Outbound(BaseModel):
+    """Base of everything the server sends: unknown fields ignored, immutable."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+_EVENT_ID_DOC = "Client-chosen id of this event; echoed in error.event_id if it fails."
+
+
+class _ClientEventBase(_Inbound):
+    """Fields every client event has; subclasses narrow ``type`` to a Literal."""
+
+    type: str = Field(description="Event type.")
+    event_id: str | None = Field(
+        default=None, max_length=MAX_EVENT_ID_CHARS, description=_EVENT_ID_DOC
+    )
+
+
+class _ServerEventBase(_Outbound):
+    """Fields every server event has; subclasses narrow ``type`` to a Literal."""
+
+    type: str = Field(description="Event type.")
+    event_id: str = Field(
+        default_factory=new_event_id,
+        description="Server-generated id of this event (evt_ + 24 hex characters).",
+    )
+
+
+# --------------------------------------------------------------------------- session config
+
+
+class RetentionConfig(_Inbound):
+    """What the server keeps of the long-lived request's context (the KV cache).
+
+    The context is a *sink* (the first chunks or tokens, kept forever) followed
+    by a sliding *window* of the most recent chunks; older chunks are evicted.
+    Low/high watermarks for eviction are chosen server-side.
+    """
+
+    enabled: bool = Field(
+        default=True,
+        description="Evict old chunks; false keeps everything until the context is full.",
+    )
+    sink_tokens: int = Field(
+        default=0, ge=0, description="Leading tokens (after the instructions) kept forever."
+    )
+    sink_chunks: int = Field(default=1, ge=0, description="First N chunks kept forever.")
+    window_chunks: int | None = Field(
+        default=8, ge=1, description="Most recent chunks kept in the sliding window; null: no cap."
+    )
+    window_tokens: int | None = Field(
+        default=None, ge=1, description="Token cap on the sliding window; null: no cap."
+    )
+
+    @model_validator(mode="after")
+    def _window_is_bounded(self) -> RetentionConfig:
+        if self.enabled and self.window_chunks is None and self.window_tokens is None:
+            raise PydanticCustomError(
+                "unbounded_window",
+                "retention.enabled needs window_chunks or window_tokens "
+                "(or set enabled: false to keep everything)",
+            )
+        return self
+
+
+class SamplingConfig(_Inbound):
+    """Sampling parameters applied to every reply of the session."""
+
+    max_tokens: int = Field(
+        default=64, ge=1, le=4096, description="Most tokens generated per reply (capped by limits)."
+    )
+    temperature: float = Field(
+        default=0.0, ge=0.0, le=2.0, allow_inf_nan=False, description="Sampling temperature."
+    )
+    top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass."
+    )
+    seed: int | None = Field(
+        default=None, description="Seed for reproducible sampling; null: random."
+    )
+
+
+class SessionConfig(_Inbound):
+    """Settings of a session; sent in session.open and echoed, resolved, in session.opened."""
+
+    instructions: str | None = Field(
+        default=None, description="Task / system prompt placed before the first chunk."
+    )
+    modality: Modality = Field(
+        default="video", description="'video': image/clip/binary frames; 'text': text turns."
+    )
+    retention: RetentionConfig = Field(
+        default_factory=RetentionConfig, description="What the server keeps of the context."
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig, description="Sampling parameters for every reply."
+    )
+    frame_format: FrameFormat = Field(
+        default="auto", description="Required image format of frames; 'auto' sniffs each one."
+    )
+    model: str | None = Field(
+        default=None, description="Model to use; null: the server's model (see limits.model)."
+    )
+
+
+# --------------------------------------------------------------------------- client events
+
+
+class SessionOpenEvent(SessionConfig):
+    """``session.open``: start the one long-lived session of this connection."""
+
+    type: Literal["session.open"] = Field(default="session.open", description="Event type.")
+    event_id: str | None = Field(
+        default=None, max_length=MAX_EVENT_ID_CHARS, description=_EVENT_ID_DOC
+    )
+
+    def session_config(self) -> SessionConfig:
+        """Return the requested settings as a plain :class:`SessionConfig`."""
+        return SessionConfig(
+            instructions=self.instructions,
+            modality=self.modality,
+            retention=self.retention,
+            sampling=self.sampling,
+            frame_format=self.frame_format,
+            model=self.model,
+        )
+
+
+_PAYLOAD_FIELDS = ("image", "text", "video", "binary")
+
+
+class FrameAppendEvent(_ClientEventBase):
+    """``frame.append``: one chunk (frame, clip or text turn); the server replies once.
+
+    Exactly one payload: ``image``, ``text``, ``video``, or ``binary: true``
+    (the payload is then the next binary WebSocket message).
+    """
+
+    type: Literal["frame.append"] = Field(default="frame.append", description="Event type.")
+    image: str | None = Field(
+        default=None, min_length=1, description="Base64 of one JPEG, PNG or WebP image."
+    )
+    text: str | None = Field(default=None, min_length=1, description="A text turn.")
+    video: str | None = Field(
+        default=None, min_length=1, description="Base64 of a short clip (MP4 or WebM)."
+    )
+    binary: bool = Field(
+        default=False, description="True: the payload is the next binary WebSocket message."
+    )
+    prompt: str | None = Field(default=None, description="Prompt for this chunk only.")
+    timestamp: float | None = Field(
+        default=None, allow_inf_nan=False, description="Capture time of the chunk, in seconds."
+    )
+    frame_id: str | None = Field(
+        default=None,
+        max_length=MAX_EVENT_ID_CHARS,
+        description="Client's label for the chunk; echoed in input.ack and response events.",
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one_payload(self) -> FrameAppendEvent:
+        given = [name for name in _PAYLOAD_FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            got = "none" if not given else " and ".join(repr(name) for name in given)
+            raise PydanticCustomError(
+                "payload_count",
+                "frame.append needs exactly one payload: 'image', 'text', 'video' "
+                "or 'binary': true (got {got})",
+                {"got": got},
+            )
+        return self
+
+    @property
+    def payload_kind(self) -> Literal["image", "text", "video", "binary"]:
+        """Which of the four payload fields is set."""
+        if self.image is not None:
+            return "image"
+        if self.text is not None:
+            return "text"
+        if self.video is not None:
+            return "video"
+        return "binary"
+
+
+class ResponseCancelEvent(_ClientEventBase):
+    """``response.cancel``: stop the reply in flight; its response.done says 'cancelled'."""
+
+    type: Literal["response.cancel"] = Field(default="response.cancel", description="Event type.")
+
+
+class SessionCloseEvent(_ClientEventBase):
+    """``session.close``: end the session; the server answers session.closed and closes."""
+
+    type: Literal["session.close"] = Field(default="session.close", description="Event type.")
+
+
+ClientEvent: TypeAlias = Annotated[
+    SessionOpenEvent | FrameAppendEvent | ResponseCancelEvent | SessionCloseEvent,
+    Field(discriminator="type"),
+]
+"""Any event a client may send, discriminated on ``type``."""
+
+CLIENT_EVENT_ADAPTER: TypeAdapter[ClientEvent] = TypeAdapter(ClientEvent)
+"""Validator/serializer for :data:`ClientEvent`."""
+
+
+# --------------------------------------------------------------------------- server payloads
+
+
+class Limits(_Outbound):
+    """What this server allows; sent in session.created and session.opened."""
+
+    max_frame_bytes: int = Field(
+        default=DEFAULT_MAX_FRAME_BYTES, ge=1, description="Largest decoded chunk payload, bytes."
+    )
+    max_event_bytes: int = Field(
+        default=DEFAULT_MAX_EVENT_BYTES, ge=1, description="Largest JSON text message, bytes."
+    )
+    max_sessions: int = Field(default=1, ge=1, description="Sessions this server runs at once.")
+    idle_timeout_s: float = Field(
+        default=60.0, gt=0, description="Seconds without client events before the server closes."
+    )
+    max_tokens_cap: int = Field(
+        default=4096, ge=1, description="Ceiling applied to sampling.max_tokens."
+    )
+    server_version: str = Field(description="Version of the vllm-realtime server.")
+    model: str = Field(description="Name of the model this server serves.")
+    protocol_version: str = Field(
+        default=PROTOCOL_VERSION, description="Version of this wire protocol."
+    )
+
+
+class Usage(_Outbound):
+    """Token counts of one reply."""
+
+    prompt_tokens: int = Field(default=0, ge=0, description="Tokens prefilled for this chunk.")
+    completion_tokens: int = Field(default=0, ge=0, description="Tokens generated for this reply.")
+
+
+class Timing(_Outbound):
+    """Latencies of one reply, in milliseconds; null where not measured."""
+
+    queue_ms: float | None = Field(
+        default=None, ge=0, description="From acceptance to the engine starting on it."
+    )
+    ttft_ms: float | None = Field(
+        default=None, ge=0, description="From acceptance to the first generated token."
+    )
+    total_ms: float | None = Field(
+        default=None, ge=0, description="From acceptance to response.done."
+    )
+
+
+class RetentionState(_Outbound):
+    """What the session's context holds after a reply."""
+
+    frames_retained: int = Field(default=0, ge=0, description="Chunks currently in the context.")
+    frames_evicted: int = Field(default=0, ge=0, description="Chunks evicted so far.")
+    tokens_retained: int = Field(default=0, ge=0, description="Tokens currently in the context.")
+    kv_blocks_held: int = Field(default=0, ge=0, description="KV-cache blocks the session holds.")
+    consolidations: int = Field(default=0, ge=0, description="Evictions (compactions) run so far.")
+
+
+class ErrorDetail(_Outbound):
+    """Body of an ``error`` event."""
+
+    type: ErrorType = Field(description="Error class: who is at fault, broadly.")
+    code: str = Field(description="Machine-readable error code (see docs/protocol.md).")
+    message: str = Field(description="Human-readable explanation; never echoes large input.")
+    event_id: str | None = Field(
+        default=None, description="event_id of the client event this error answers, if known."
+    )
+    session_survives: bool = Field(
+        description="True: the connection (and session, if open) stays usable."
+    )
+
+
+# --------------------------------------------------------------------------- server events
+
+
+class SessionCreatedEvent(_ServerEventBase):
+    """``session.created``: greeting sent on connect, before any client event."""
+
+    type: Literal["session.created"] = Field(default="session.created", description="Event type.")
+    session_id: str = Field(description="Id of this connection's session.")
+    limits: Limits = Field(description="What this server allows.")
+
+
+class SessionOpenedEvent(_ServerEventBase):
+    """``session.opened``: answer to session.open; frames may be sent from now on."""
+
+    type: Literal["session.opened"] = Field(default="session.opened", description="Event type.")
+    session_id: str = Field(description="Id of this connection's session.")
+    config: SessionConfig = Field(description="Effective settings (defaults filled, caps applied).")
+    limits: Limits = Field(description="What this server allows.")
+
+
+class InputAckEvent(_ServerEventBase):
+    """``input.ack``: a frame.append was accepted; a response.done for it will follow."""
+
+    type: Literal["input.ack"] = Field(default="input.ack", description="Event type.")
+    frame_index: int = Field(ge=0, description="Server sequence number of the accepted chunk.")
+    frame_id: str | None = Field(default=None, description="Client's label for the chunk.")
+    bytes: int = Field(ge=0, description="Payload size: decoded media bytes or UTF-8 text bytes.")
+
+
+class ResponseCreatedEvent(_ServerEventBase):
+    """``response.created``: the engine started on the reply to a chunk."""
+
+    type: Literal["response.created"] = Field(default="response.created", description="Event type.")
+    frame_index: int = Field(ge=0, description="Chunk this reply answers.")
+    frame_id: str | None = Field(default=None, description="Client's label for the chunk.")
+
+
+class ResponseTextDeltaEvent(_ServerEventBase):
+    """``response.text.delta``: more text of the reply in flight."""
+
+    type: Literal["response.text.delta"] = Field(
+        default="response.text.delta", description="Event type."
+    )
+    frame_index: int = Field(ge=0, description="Chunk this reply answers.")
+    delta: str = Field(description="Text appended to the reply.")
+
+
+class ResponseDoneEvent(_ServerEventBase):
+    """``response.done``: the reply to a chunk ended; sent exactly once per accepted chunk."""
+
+    type: Literal["response.done"] = Field(default="response.done", description="Event type.")
+    frame_index: int = Field(ge=0, description="Chunk this reply answers.")
+    frame_id: str | None = Field(default=None, description="Client's label for the chunk.")
+    status: ResponseStatus = Field(
+        description="completed | cancelled | failed | incomplete (hit max_tokens or context)."
+    )
+    status_reason: str | None = Field(
+        default=None, description="Why it was not completed, when it was not."
+    )
+    text: str = Field(default="", description="Full text of the reply (all deltas joined).")
+    usage: Usage = Field(default_factory=Usage, description="Token counts of the reply.")
+    timing: Timing = Field(default_factory=Timing, description="Latencies of the reply.")
+    retention: RetentionState = Field(
+        default_factory=RetentionState, description="Context state after the reply."
+    )
+
+
+class SessionClosedEvent(_ServerEventBase):
+    """``session.closed``: last event of a connection; the server closes the socket after it."""
+
+    type: Literal["session.closed"] = Field(default="session.closed", description="Event type.")
+    session_id: str = Field(description="Id of the session that ended.")
+    reason: CloseReason = Field(description="Why the session ended.")
+    frames_total: int = Field(default=0, ge=0, description="Chunks accepted over the session.")
+
+
+class ErrorEvent(_ServerEventBase):
+    """``error``: something the client sent (or the server) failed; see error.session_survives."""
+
+    type: Literal["error"] = Field(default="error", description="Event type.")
+    error: ErrorDetail = Field(description="What went wrong.")
+
+
+ServerEvent: TypeAlias = Annotated[
+    SessionCreatedEvent
+    | SessionOpenedEvent
+    | InputAckEvent
+    | ResponseCreatedEvent
+    | ResponseTextDeltaEvent
+    | ResponseDoneEvent
+    | SessionClosedEvent
+    | ErrorEvent,
+    Field(discriminator="type"),
+]
+"""Any event the server may send, discriminated on ``type``."""
+
+SERVER_EVENT_ADAPTER: TypeAdapter[ServerEvent] = TypeAdapter(ServerEvent)
+"""Validator/serializer for :data:`ServerEvent`."""
+
+CLIENT_EVENT_TYPES: dict[
+    str,
+    type[SessionOpenEvent | FrameAppendEvent | ResponseCancelEvent | SessionCloseEvent],
+] = {
+    "session.open": SessionOpenEvent,
+    "frame.append": FrameAppendEvent,
+    "response.cancel": ResponseCancelEvent,
+    "session.close": SessionCloseEvent,
+}
+"""Client event models by their ``type``."""
+
+SERVER_EVENT_TYPES: dict[str, type[_ServerEventBase]] = {
+    "session.created": SessionCreatedEvent,
+    "session.opened": SessionOpenedEvent,
+    "input.ack": InputAckEvent,
+    "response.created": ResponseCreatedEvent,
+    "response.text.delta": ResponseTextDeltaEvent,
+    "response.done": ResponseDoneEvent,
+    "session.closed": SessionClosedEvent,
+    "error": ErrorEvent,
+}
+"""Server event models by their ``type``."""

@@ -1,0 +1,561 @@
+"""Sans-I/O state machine of one connection's session.
+
+Theory of operation
+-------------------
+A connection carries at most one session, and a session carries one
+long-lived vLLM request.  The client feeds it *chunks* (``frame.append``: an
+image, a clip, a binary message, or a text turn) and the server answers each
+accepted chunk with exactly one reply.  Two rules hold everything together:
+
+* **One chunk in flight.**  A ``frame.append`` is accepted only when the
+  previous chunk's reply has finished; otherwise it is refused with
+  ``chunk_in_flight`` (the session survives).
+* **response.done is always sent for an accepted chunk.**  A chunk is
+  *accepted* when :class:`SessionProtocol` returns :class:`SubmitFrame` (the
+  server sends its ``input.ack``); from then on the server must eventually call
+  :meth:`SessionProtocol.response_finished`, which builds the
+  ``response.done``, whatever happens: completion, cancel, engine failure, or
+  the session closing under it (then the reply is *drained*: aborted, and
+  finished with status ``cancelled``/``failed`` even though the state is
+  ``CLOSED``).
+
+:class:`SessionProtocol` does no I/O and knows nothing of asyncio or vLLM.
+The server feeds it every input (parsed client events, binary messages, and
+its own happenings: reply finished, engine error, disconnect, idle timeout,
+shutdown) and does what the returned :data:`Action` says; an input the
+current state refuses raises the documented
+:class:`~protocol.errors.RealtimeError` and leaves the state unchanged (the
+one exception: a binary payload that fails its checks still consumes the
+pending announcement, so the state returns to ``IDLE``).
+
+State diagram::
+
+                   session.open
+      CONNECTED ──────────────────► IDLE ◄───────────────────────────┐
+                ◄──────────────────  │ │                             │ response_done
+                   open_refused      │ │ frame.append                │
+                                     │ │ (image | video | text)      │
+                                     │ └───────────────────► AWAITING_RESPONSE ───┐
+                        frame.append │                          ▲         ▲       │ response.cancel
+                      (binary: true) ▼                          │         └───────┘
+                              AWAITING_BINARY ──────────────────┘
+                                             binary payload
+
+      CONNECTED | IDLE | AWAITING_BINARY | AWAITING_RESPONSE
+          ── session.close | engine_error | disconnect | idle_timeout | server_shutdown | error ──►
+      CLOSED   (a reply in flight at the close drains: one response_done is still allowed)
+
+The transitions are the :data:`TRANSITIONS` table; every other
+(state, input) pair is in :data:`REFUSALS` with the error it raises.  The two
+tables together cover every pair exactly once.  Two entries have a guard:
+``(IDLE, OPEN_REFUSED)`` needs that no chunk was accepted yet, and
+``(CLOSED, RESPONSE_DONE)`` needs a reply that was in flight at the close;
+unguarded, both raise ``internal_error`` (a server bug).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal, TypeAlias
+
+from protocol.codec import MediaFormat, decode_base64_payload, sniff_media
+from protocol.errors import (
+    BinaryUnexpected,
+    ChunkInFlight,
+    FrameTooLarge,
+    InternalError,
+    InvalidEvent,
+    NoResponseInFlight,
+    RealtimeError,
+    SessionAlreadyOpen,
+    SessionClosed,
+    SessionNotOpen,
+    UndecodableFrame,
+    truncate,
+)
+from protocol.events import (
+    ClientEvent,
+    CloseReason,
+    FrameAppendEvent,
+    InputAckEvent,
+    Limits,
+    ResponseCancelEvent,
+    ResponseDoneEvent,
+    ResponseStatus,
+    RetentionState,
+    SessionClosedEvent,
+    SessionCloseEvent,
+    SessionConfig,
+    SessionCreatedEvent,
+    SessionOpenedEvent,
+    SessionOpenEvent,
+    Timing,
+    Usage,
+    new_session_id,
+)
+
+__all__ = [
+    "REFUSALS",
+    "TRANSITIONS",
+    "Action",
+    "AwaitBinary",
+    "CancelResponse",
+    "CloseSession",
+    "Frame",
+    "Input",
+    "OpenSession",
+    "ServerCloseReason",
+    "SessionProtocol",
+    "State",
+    "SubmitFrame",
+]
+
+
+class State(enum.Enum):
+    """Where a connection's session stands."""
+
+    CONNECTED = "connected"
+    """Greeted with session.created; no session open yet."""
+    IDLE = "idle"
+    """Session open, no chunk in flight: frame.append is welcome."""
+    AWAITING_BINARY = "awaiting_binary"
+    """A ``binary: true`` frame.append arrived; its payload is the next binary message."""
+    AWAITING_RESPONSE = "awaiting_response"
+    """One chunk accepted; its reply is not finished."""
+    CLOSED = "closed"
+    """Session over; only the drain of an in-flight reply may still happen."""
+
+
+class Input(enum.Enum):
+    """Everything that can happen to a session (client events and server happenings)."""
+
+    SESSION_OPEN = "session.open"
+    FRAME_APPEND = "frame.append"
+    """frame.append carrying its payload (image, video or text)."""
+    FRAME_ANNOUNCE = "frame.append(binary)"
+    """frame.append with ``binary: true``: the payload follows as a binary message."""
+    BINARY = "binary"
+    """A binary WebSocket message."""
+    RESPONSE_CANCEL = "response.cancel"
+    SESSION_CLOSE = "session.close"
+    OPEN_REFUSED = "open_refused"
+    """Server: admission refused the session just opened (e.g. capacity)."""
+    RESPONSE_DONE = "response_done"
+    """Server: the reply in flight finished (any status)."""
+    ENGINE_ERROR = "engine_error"
+    DISCONNECT = "disconnect"
+    IDLE_TIMEOUT = "idle_timeout"
+    SERVER_SHUTDOWN = "server_shutdown"
+    FATAL_ERROR = "error"
+    """Server: a non-surviving RealtimeError was sent; the session must end."""
+
+
+S = State
+In = Input
+
+_CLOSERS = (In.ENGINE_ERROR, In.DISCONNECT, In.IDLE_TIMEOUT, In.SERVER_SHUTDOWN, In.FATAL_ERROR)
+
+TRANSITIONS: dict[tuple[State, Input], State] = {
+    (S.CONNECTED, In.SESSION_OPEN): S.IDLE,
+    (S.CONNECTED, In.SESSION_CLOSE): S.CLOSED,
+    (S.IDLE, In.FRAME_APPEND): S.AWAITING_RESPONSE,
+    (S.IDLE, In.FRAME_ANNOUNCE): S.AWAITING_BINARY,
+    (S.IDLE, In.SESSION_CLOSE): S.CLOSED,
+    (S.IDLE, In.OPEN_REFUSED): S.CONNECTED,  # guard: no chunk accepted yet
+    (S.AWAITING_BINARY, In.BINARY): S.AWAITING_RESPONSE,
+    (S.AWAITING_BINARY, In.SESSION_CLOSE): S.CLOSED,
+    (S.AWAITING_RESPONSE, In.RESPONSE_CANCEL): S.AWAITING_RESPONSE,
+    (S.AWAITING_RESPONSE, In.RESPONSE_DONE): S.IDLE,
+    (S.AWAITING_RESPONSE, In.SESSION_CLOSE): S.CLOSED,
+    (S.CLOSED, In.RESPONSE_DONE): S.CLOSED,  # guard: a reply was in flight at the close
+    **{(state, inp): S.CLOSED for state in State for inp in _CLOSERS},
+}
+"""Allowed (state, input) pairs and the state each leads to."""
+
+REFUSALS: dict[tuple[State, Input], type[RealtimeError]] = {
+    (S.CONNECTED, In.FRAME_APPEND): SessionNotOpen,
+    (S.CONNECTED, In.FRAME_ANNOUNCE): SessionNotOpen,
+    (S.CONNECTED, In.BINARY): BinaryUnexpected,
+    (S.CONNECTED, In.RESPONSE_CANCEL): SessionNotOpen,
+    (S.CONNECTED, In.OPEN_REFUSED): InternalError,
+    (S.CONNECTED, In.RESPONSE_DONE): InternalError,
+    (S.IDLE, In.SESSION_OPEN): SessionAlreadyOpen,
+    (S.IDLE, In.BINARY): BinaryUnexpected,
+    (S.IDLE, In.RESPONSE_CANCEL): NoResponseInFlight,
+    (S.IDLE, In.RESPONSE_DONE): InternalError,
+    (S.AWAITING_BINARY, In.SESSION_OPEN): SessionAlreadyOpen,
+    (S.AWAITING_BINARY, In.FRAME_APPEND): ChunkInFlight,
+    (S.AWAITING_BINARY, In.FRAME_ANNOUNCE): ChunkInFlight,
+    (S.AWAITING_BINARY, In.RESPONSE_CANCEL): NoResponseInFlight,
+    (S.AWAITING_BINARY, In.OPEN_REFUSED): InternalError,
+    (S.AWAITING_BINARY, In.RESPONSE_DONE): InternalError,
+    (S.AWAITING_RESPONSE, In.SESSION_OPEN): SessionAlreadyOpen,
+    (S.AWAITING_RESPONSE, In.FRAME_APPEND): ChunkInFlight,
+    (S.AWAITING_RESPONSE, In.FRAME_ANNOUNCE): ChunkInFlight,
+    (S.AWAITING_RESPONSE, In.BINARY): BinaryUnexpected,
+    (S.AWAITING_RESPONSE, In.OPEN_REFUSED): InternalError,
+    (S.CLOSED, In.SESSION_OPEN): SessionClosed,
+    (S.CLOSED, In.FRAME_APPEND): SessionClosed,
+    (S.CLOSED, In.FRAME_ANNOUNCE): SessionClosed,
+    (S.CLOSED, In.BINARY): SessionClosed,
+    (S.CLOSED, In.RESPONSE_CANCEL): SessionClosed,
+    (S.CLOSED, In.SESSION_CLOSE): SessionClosed,
+    (S.CLOSED, In.OPEN_REFUSED): InternalError,
+}
+"""Refused (state, input) pairs and the error each raises (state unchanged)."""
+
+del S, In
+
+ServerCloseReason: TypeAlias = Literal[
+    "engine_error", "disconnect", "idle_timeout", "server_shutdown", "error"
+]
+_CLOSE_INPUTS: dict[ServerCloseReason, Input] = {
+    "engine_error": Input.ENGINE_ERROR,
+    "disconnect": Input.DISCONNECT,
+    "idle_timeout": Input.IDLE_TIMEOUT,
+    "server_shutdown": Input.SERVER_SHUTDOWN,
+    "error": Input.FATAL_ERROR,
+}
+
+
+# --------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """An accepted chunk, payload decoded and checked."""
+
+    frame_index: int
+    """Server sequence number: 0, 1, 2, … over the session's accepted chunks."""
+    frame_id: str | None
+    """Client's label, echoed on every event about this chunk."""
+    kind: Literal["image", "video", "text"]
+    """What the chunk is."""
+    media_format: MediaFormat | None
+    """Sniffed container of image/video chunks; None for text."""
+    data: bytes = field(repr=False)
+    """Decoded payload (UTF-8 of the text for text chunks)."""
+    text: str | None
+    """The text turn, for text chunks."""
+    prompt: str | None
+    """Per-chunk prompt, if the client sent one."""
+    timestamp: float | None
+    """Client capture time, if sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSession:
+    """Admit the session: open the engine request, then send ``event`` (session.opened).
+
+    If admission fails, call :meth:`SessionProtocol.open_refused` and send the error instead.
+    """
+
+    config: SessionConfig
+    event: SessionOpenedEvent
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitBinary:
+    """Nothing to do: the payload of this frame.append is the next binary message."""
+
+    frame_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitFrame:
+    """Send ``ack`` (input.ack), feed ``frame`` to the engine, stream the reply.
+
+    Finish with :meth:`SessionProtocol.response_finished` and send the
+    response.done it returns.
+    """
+
+    frame: Frame
+    ack: InputAckEvent
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResponse:
+    """Abort the engine's work on ``frame_index``; finish it with status 'cancelled'."""
+
+    frame_index: int
+
+
+@dataclass(frozen=True, slots=True)
+class CloseSession:
+    """End the session: drain ``in_flight`` (abort, then response_finished), send
+    ``event`` (session.closed) if the socket is still up, then close the socket.
+    """
+
+    reason: CloseReason
+    in_flight: Frame | None
+    event: SessionClosedEvent
+
+
+Action: TypeAlias = OpenSession | AwaitBinary | SubmitFrame | CancelResponse | CloseSession
+"""What the server must do after an input."""
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def classify(event: ClientEvent) -> Input:
+    """The state-machine input a parsed client event is."""
+    if isinstance(event, SessionOpenEvent):
+        return Input.SESSION_OPEN
+    if isinstance(event, FrameAppendEvent):
+        return Input.FRAME_ANNOUNCE if event.binary else Input.FRAME_APPEND
+    if isinstance(event, ResponseCancelEvent):
+        return Input.RESPONSE_CANCEL
+    if isinstance(event, SessionCloseEvent):
+        return Input.SESSION_CLOSE
+    raise InternalError(f"not a client event: {type(event).__name__}")  # pragma: no cover
+
+
+class SessionProtocol:
+    """The session state of one connection; feed it inputs, do what it returns.
+
+    Typical server loop::
+
+        proto = SessionProtocol(limits)
+        send(proto.greeting())
+        for message in websocket:
+            try:
+                if binary: action = proto.receive_binary(message)
+                else:      action = proto.receive_client_event(parse_client_event(message))
+            except RealtimeError as exc:
+                send(error_event(exc))
+                if not exc.session_survives:
+                    action = proto.server_close("error")
+            ...  # carry out `action`
+    """
+
+    def __init__(self, limits: Limits, *, session_id: str | None = None) -> None:
+        self.limits = limits
+        """Limits announced to the client and enforced here (frame size, max_tokens cap)."""
+        self.session_id = session_id or new_session_id()
+        """Id of this connection's session, announced in session.created."""
+        self.config: SessionConfig | None = None
+        """Effective settings once session.open was accepted."""
+        self.in_flight: Frame | None = None
+        """The accepted chunk whose reply is not finished (at most one)."""
+        self.pending_frame: FrameAppendEvent | None = None
+        """The ``binary: true`` frame.append waiting for its payload."""
+        self.cancel_requested = False
+        """Whether response.cancel arrived for the reply in flight."""
+        self.close_reason: CloseReason | None = None
+        """Why the session closed, once CLOSED."""
+        self.frames_total = 0
+        """Chunks accepted so far; also the next frame_index."""
+        self.responses: dict[ResponseStatus, int] = {}
+        """Finished replies by status."""
+        self._state = State.CONNECTED
+
+    @property
+    def state(self) -> State:
+        """The current state."""
+        return self._state
+
+    def greeting(self) -> SessionCreatedEvent:
+        """The session.created event to send on connect."""
+        return SessionCreatedEvent(session_id=self.session_id, limits=self.limits)
+
+    # -- the table
+
+    def _next_state(self, inp: Input, event_id: str | None = None) -> State:
+        key = (self._state, inp)
+        refusal = REFUSALS.get(key)
+        if refusal is not None:
+            raise refusal(
+                f"{refusal.default_message} ({inp.value} in state {self._state.name})",
+                event_id=event_id,
+            )
+        return TRANSITIONS[key]
+
+    # -- client inputs
+
+    def receive_client_event(self, event: ClientEvent) -> Action:
+        """Apply a parsed client event; return the server's action or raise its refusal."""
+        inp = classify(event)
+        nxt = self._next_state(inp, event.event_id)
+        if isinstance(event, SessionOpenEvent):
+            return self._open(event, nxt)
+        if isinstance(event, FrameAppendEvent):
+            return self._append(event, nxt)
+        if isinstance(event, ResponseCancelEvent):
+            assert self.in_flight is not None
+            self.cancel_requested = True
+            return CancelResponse(frame_index=self.in_flight.frame_index)
+        return self._close("client_closed", nxt)
+
+    def receive_binary(self, data: bytes) -> SubmitFrame:
+        """Apply a binary WebSocket message: the payload of the pending ``binary: true`` frame."""
+        event_id = self.pending_frame.event_id if self.pending_frame else None
+        nxt = self._next_state(Input.BINARY, event_id)
+        announce = self.pending_frame
+        assert announce is not None and self.config is not None
+        self.pending_frame = None
+        self._state = State.IDLE  # the announcement is consumed even if the payload is refused
+        self._check_size(len(data), event_id)
+        media = sniff_media(data)
+        if media is None:
+            raise UndecodableFrame(
+                "binary payload is not JPEG, PNG, WebP, MP4 or WebM", event_id=event_id
+            )
+        kind: Literal["image", "video"] = "video" if media in ("mp4", "webm") else "image"
+        self._check_format(kind, media, event_id)
+        return self._accept(announce, nxt, kind=kind, media=media, data=data)
+
+    # -- server inputs
+
+    def open_refused(self) -> None:
+        """Admission refused the session just opened: back to CONNECTED (open may be retried)."""
+        nxt = self._next_state(Input.OPEN_REFUSED)
+        if self.frames_total:
+            raise InternalError("open_refused after chunks were accepted")
+        self.config = None
+        self._state = nxt
+
+    def response_finished(
+        self,
+        status: ResponseStatus,
+        *,
+        text: str = "",
+        status_reason: str | None = None,
+        usage: Usage | None = None,
+        timing: Timing | None = None,
+        retention: RetentionState | None = None,
+    ) -> ResponseDoneEvent:
+        """The reply in flight ended; return its response.done (also while draining in CLOSED)."""
+        nxt = self._next_state(Input.RESPONSE_DONE)
+        frame = self.in_flight
+        if frame is None:
+            raise InternalError("response_finished with no reply in flight")
+        self.in_flight = None
+        self.cancel_requested = False
+        self.responses[status] = self.responses.get(status, 0) + 1
+        self._state = nxt
+        return ResponseDoneEvent(
+            frame_index=frame.frame_index,
+            frame_id=frame.frame_id,
+            status=status,
+            status_reason=status_reason,
+            text=text,
+            usage=usage or Usage(),
+            timing=timing or Timing(),
+            retention=retention or RetentionState(),
+        )
+
+    def server_close(self, reason: ServerCloseReason) -> CloseSession | None:
+        """The server ends the session (or the socket dropped); None if already CLOSED."""
+        if self._state is State.CLOSED:
+            return None
+        return self._close(reason, self._next_state(_CLOSE_INPUTS[reason]))
+
+    # -- helpers
+
+    def _open(self, event: SessionOpenEvent, nxt: State) -> OpenSession:
+        requested = event.session_config()
+        if requested.model is not None and requested.model != self.limits.model:
+            raise InvalidEvent(
+                f"session.open.model: {truncate(requested.model, 80)!r} is not served here; "
+                f"this server serves {self.limits.model!r}",
+                event_id=event.event_id,
+            )
+        sampling = requested.sampling.model_copy(
+            update={"max_tokens": min(requested.sampling.max_tokens, self.limits.max_tokens_cap)}
+        )
+        config = requested.model_copy(update={"model": self.limits.model, "sampling": sampling})
+        self.config = config
+        self._state = nxt
+        opened = SessionOpenedEvent(session_id=self.session_id, config=config, limits=self.limits)
+        return OpenSession(config=config, event=opened)
+
+    def _append(self, event: FrameAppendEvent, nxt: State) -> AwaitBinary | SubmitFrame:
+        assert self.config is not None
+        kind = event.payload_kind
+        text_session = self.config.modality == "text"
+        if (kind == "text") != text_session:
+            wanted = "'text'" if text_session else "'image', 'video' or 'binary': true"
+            raise InvalidEvent(
+                f"frame.append.{kind}: a {self.config.modality} session takes {wanted} payloads",
+                event_id=event.event_id,
+            )
+        if kind == "binary":
+            self.pending_frame = event
+            self._state = nxt
+            return AwaitBinary(frame_id=event.frame_id)
+        if kind == "text":
+            assert event.text is not None
+            data = event.text.encode("utf-8")
+            self._check_size(len(data), event.event_id)
+            return self._accept(event, nxt, kind="text", media=None, data=data)
+        encoded = event.image if kind == "image" else event.video
+        assert encoded is not None
+        try:
+            data = decode_base64_payload(encoded, max_bytes=self.limits.max_frame_bytes)
+        except RealtimeError as exc:
+            exc.event_id = event.event_id
+            raise
+        media = sniff_media(data)
+        self._check_format(kind, media, event.event_id)
+        return self._accept(event, nxt, kind=kind, media=media, data=data)
+
+    def _check_size(self, size: int, event_id: str | None) -> None:
+        if size > self.limits.max_frame_bytes:
+            raise FrameTooLarge(
+                f"payload is {size} bytes; the limit is {self.limits.max_frame_bytes}",
+                event_id=event_id,
+            )
+
+    def _check_format(
+        self, kind: Literal["image", "video"], media: MediaFormat | None, event_id: str | None
+    ) -> None:
+        assert self.config is not None
+        if kind == "video":
+            if media not in ("mp4", "webm"):
+                raise UndecodableFrame("video payload is not MP4 or WebM", event_id=event_id)
+            return
+        if media not in ("jpeg", "png", "webp"):
+            raise UndecodableFrame("image payload is not JPEG, PNG or WebP", event_id=event_id)
+        wanted = self.config.frame_format
+        if wanted != "auto" and media != wanted:
+            raise UndecodableFrame(
+                f"image payload is {media.upper()} but the session's frame_format is {wanted!r}",
+                event_id=event_id,
+            )
+
+    def _accept(
+        self,
+        event: FrameAppendEvent,
+        nxt: State,
+        *,
+        kind: Literal["image", "video", "text"],
+        media: MediaFormat | None,
+        data: bytes,
+    ) -> SubmitFrame:
+        frame = Frame(
+            frame_index=self.frames_total,
+            frame_id=event.frame_id,
+            kind=kind,
+            media_format=media,
+            data=data,
+            text=event.text,
+            prompt=event.prompt,
+            timestamp=event.timestamp,
+        )
+        self.frames_total += 1
+        self.in_flight = frame
+        self.cancel_requested = False
+        self._state = nxt
+        ack = InputAckEvent(frame_index=frame.frame_index, frame_id=frame.frame_id, bytes=len(data))
+        return SubmitFrame(frame=frame, ack=ack)
+
+    def _close(self, reason: CloseReason, nxt: State) -> CloseSession:
+        self.pending_frame = None
+        self.close_reason = reason
+        self._state = nxt
+        event = SessionClosedEvent(
+            session_id=self.session_id, reason=reason, frames_total=self.frames_total
+        )
+        return CloseSession(reason=reason, in_flight=self.in_flight, event=event)

@@ -1,0 +1,166 @@
+"""One session = one resumable vLLM request, fed one chunk at a time.
+
+Theory of operation: the session owns an async generator of `StreamingInput` that vLLM's
+streaming-input path consumes. A chunk is put on an internal queue only when the previous chunk's
+reply has reached its boundary (an output with a finish reason on a request that is not
+finished), so the producer can never get ahead of the consumer and DELTA outputs of two chunks are
+never merged. `finished=True` is terminal: it means the engine ended the request (abort, error,
+end of input), never a chunk boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import EngineError, Frame, SessionConfig
+from realtime.media import decode_clip, decode_image
+
+_END = object()  # ends the input stream (graceful end of a session)
+
+
+@dataclass
+class ChunkDelta:
+    text: str
+
+
+@dataclass
+class ChunkFinished:
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_ms: float | None
+    total_ms: float
+
+
+def render_chunk(
+    frame: Frame, config: SessionConfig, *, first: bool, multimodal: bool
+) -> dict[str, Any]:
+    """The engine prompt for one chunk, in ChatML (the template of every default model and of
+    the Qwen-VL family). Continuations close the previous assistant turn first: vLLM drops the
+    last sampled token of a chunk from the cached context, so the turn is still open."""
+    parts: list[str] = []
+    if first:
+        if config.instructions:
+            parts.append(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
+    else:
+        parts.append("<|im_end|>\n")
+    parts.append("<|im_start|>user\n")
+    mm: dict[str, Any] = {}
+    if frame.kind == "image":
+        parts.append("<|vision_start|><|image_pad|><|vision_end|>")
+        mm["image"] = decode_image(frame.data)
+    elif frame.kind == "video":
+        parts.append("<|vision_start|><|video_pad|><|vision_end|>")
+        mm["video"] = decode_clip(frame.data)
+    else:
+        parts.append(frame.text or "")
+    if frame.prompt:
+        parts.append(("\n" if frame.kind == "text" else "") + frame.prompt)
+    parts.append("<|im_end|>\n<|im_start|>assistant\n")
+    prompt: dict[str, Any] = {"prompt": "".join(parts)}
+    if mm:
+        if not multimodal:
+            from protocol import InvalidEvent
+
+            raise InvalidEvent("this server's model takes text only; open a 'text' session")
+        prompt["multi_modal_data"] = mm
+    return prompt
+
+
+class EngineSession:
+    """The engine side of one session. Not thread-safe; one chunk at a time by construction."""
+
+    def __init__(self, engine: Any, request_id: str, sampling_params: Any) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._inputs: asyncio.Queue[object] = asyncio.Queue()
+        self._outputs: AsyncIterator[Any] | None = None
+        self._sampling_params = sampling_params
+        self.prompt_tokens_total = 0
+        self.completion_tokens_total = 0
+        self.chunks = 0
+        self.finished = False
+
+    async def _input_stream(self) -> AsyncIterator[Any]:
+        while True:
+            item = await self._inputs.get()
+            if item is _END:
+                return
+            yield item
+
+    async def run_chunk(self, prompt: dict[str, Any]) -> AsyncIterator[ChunkDelta | ChunkFinished]:
+        """Feed one chunk and yield its deltas, then exactly one ChunkFinished."""
+        from vllm.engine.protocol import StreamingInput
+
+        if self.finished:
+            raise EngineError("the engine ended this session")
+        started = time.perf_counter()
+        self._inputs.put_nowait(StreamingInput(prompt=prompt))
+        if self._outputs is None:
+            self._outputs = self.engine.generate(
+                self._input_stream(), self._sampling_params, request_id=self.request_id
+            )
+        first_token: float | None = None
+        completion = 0
+        while True:
+            try:
+                out = await self._outputs.__anext__()
+            except StopAsyncIteration:
+                self.finished = True
+                raise EngineError("the engine ended this session") from None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.finished = True
+                raise EngineError(f"engine failed: {type(exc).__name__}") from None
+            completion_out = out.outputs[0] if out.outputs else None
+            if completion_out is not None and completion_out.token_ids:
+                if first_token is None:
+                    first_token = time.perf_counter()
+                completion += len(completion_out.token_ids)
+                if completion_out.text:
+                    yield ChunkDelta(completion_out.text)
+            if out.finished:
+                # Terminal: engine-initiated abort/error or end of input, never a boundary.
+                self.finished = True
+                raise EngineError(
+                    f"the engine ended this session ({getattr(completion_out, 'finish_reason', None)})"
+                )
+            if completion_out is not None and completion_out.finish_reason is not None:
+                cumulative = len(out.prompt_token_ids or [])
+                prompt_tokens = max(0, cumulative - self.prompt_tokens_total)
+                self.prompt_tokens_total = cumulative
+                self.completion_tokens_total += completion
+                self.chunks += 1
+                now = time.perf_counter()
+                yield ChunkFinished(
+                    finish_reason=completion_out.finish_reason,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion,
+                    ttft_ms=None if first_token is None else (first_token - started) * 1e3,
+                    total_ms=(now - started) * 1e3,
+                )
+                return
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens the request holds in context now (prompts + replies, last token excluded)."""
+        return self.prompt_tokens_total + max(0, self.completion_tokens_total - self.chunks)
+
+    async def abort(self) -> None:
+        """Abort the request and free its KV blocks. The caller cancels any task that is inside
+        `run_chunk` first. The input stream is NOT ended here: ending it makes vLLM send its
+        final "finished" request, which would race with the abort."""
+        self.finished = True
+        if self._outputs is not None:
+            outputs, self._outputs = self._outputs, None
+            # GeneratorExit inside generate() makes vLLM abort the request itself.
+            with contextlib.suppress(Exception):
+                await outputs.aclose()  # type: ignore[attr-defined]
+        with contextlib.suppress(Exception):
+            await self.engine.abort(self.request_id)

@@ -1,0 +1,33 @@
+"""Prometheus metrics of one server (own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.sessions_open = Gauge(
+            "vllm_realtime_sessions_open", "Open sessions.", registry=self.registry
+        )
+        self.frames = Counter(
+            "vllm_realtime_frames", "Chunks answered (response.done sent).", registry=self.registry
+        )
+        self.frame_latency = Histogram(
+            "vllm_realtime_frame_latency_seconds",
+            "Per-chunk latency, accepted to response.done.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.kv_blocks_held = Gauge(
+            "vllm_realtime_kv_blocks_held", "KV blocks held by sessions.", registry=self.registry
+        )
+        self.engine_errors = Counter(
+            "vllm_realtime_engine_errors",
+            "Engine failures seen by sessions.",
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "vllm_realtime_protocol_errors", "Error events sent.", ["code"], registry=self.registry
+        )

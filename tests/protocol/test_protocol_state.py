@@ -1,0 +1,483 @@
+"""Unit tests of protocol.state: the whole transition table, pair by pair, and the flows."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from strategies import JPEG, MP4, PNG, WEBM, WEBP, b64
+
+from protocol import (
+    AwaitBinary,
+    BinaryUnexpected,
+    CancelResponse,
+    ChunkInFlight,
+    CloseSession,
+    FrameAppendEvent,
+    FrameTooLarge,
+    Input,
+    InternalError,
+    InvalidEvent,
+    Limits,
+    NoResponseInFlight,
+    OpenSession,
+    RealtimeError,
+    ResponseCancelEvent,
+    SessionAlreadyOpen,
+    SessionClosed,
+    SessionCloseEvent,
+    SessionNotOpen,
+    SessionOpenEvent,
+    SessionProtocol,
+    State,
+    SubmitFrame,
+    UndecodableFrame,
+    Usage,
+)
+from protocol.state import REFUSALS, TRANSITIONS
+
+LIMITS = Limits(
+    server_version="0.1.0", model="test-model", max_frame_bytes=1000, max_tokens_cap=128
+)
+
+
+def new() -> SessionProtocol:
+    return SessionProtocol(LIMITS, session_id="sess_test")
+
+
+def opened(**config: Any) -> SessionProtocol:
+    proto = new()
+    proto.receive_client_event(SessionOpenEvent.model_validate(config))
+    return proto
+
+
+def submit(proto: SessionProtocol, **payload: Any) -> SubmitFrame:
+    action = proto.receive_client_event(
+        FrameAppendEvent.model_validate(payload or {"image": b64(JPEG)})
+    )
+    assert isinstance(action, SubmitFrame)
+    return action
+
+
+# Fixtures that put a fresh machine in each state, satisfying the table's guards:
+# IDLE has accepted no chunk yet (OPEN_REFUSED allowed); CLOSED has a reply draining.
+def _in_state(state: State) -> SessionProtocol:
+    proto = new()
+    if state is State.CONNECTED:
+        return proto
+    proto.receive_client_event(SessionOpenEvent())
+    if state is State.IDLE:
+        return proto
+    if state is State.AWAITING_BINARY:
+        proto.receive_client_event(FrameAppendEvent(binary=True))
+        return proto
+    submit(proto)
+    if state is State.CLOSED:
+        proto.receive_client_event(SessionCloseEvent())
+    return proto
+
+
+def _apply(proto: SessionProtocol, inp: Input) -> object:
+    steps: dict[Input, Callable[[], object]] = {
+        Input.SESSION_OPEN: lambda: proto.receive_client_event(SessionOpenEvent(event_id="ev")),
+        Input.FRAME_APPEND: lambda: proto.receive_client_event(
+            FrameAppendEvent(image=b64(JPEG), event_id="ev")
+        ),
+        Input.FRAME_ANNOUNCE: lambda: proto.receive_client_event(
+            FrameAppendEvent(binary=True, event_id="ev")
+        ),
+        Input.BINARY: lambda: proto.receive_binary(JPEG),
+        Input.RESPONSE_CANCEL: lambda: proto.receive_client_event(
+            ResponseCancelEvent(event_id="ev")
+        ),
+        Input.SESSION_CLOSE: lambda: proto.receive_client_event(SessionCloseEvent(event_id="ev")),
+        Input.OPEN_REFUSED: proto.open_refused,
+        Input.RESPONSE_DONE: lambda: proto.response_finished("completed"),
+        Input.ENGINE_ERROR: lambda: proto.server_close("engine_error"),
+        Input.DISCONNECT: lambda: proto.server_close("disconnect"),
+        Input.IDLE_TIMEOUT: lambda: proto.server_close("idle_timeout"),
+        Input.SERVER_SHUTDOWN: lambda: proto.server_close("server_shutdown"),
+        Input.FATAL_ERROR: lambda: proto.server_close("error"),
+    }
+    return steps[inp]()
+
+
+ALL_PAIRS = list(itertools.product(State, Input))
+_CLIENT_INPUTS = {
+    Input.SESSION_OPEN,
+    Input.FRAME_APPEND,
+    Input.FRAME_ANNOUNCE,
+    Input.BINARY,
+    Input.RESPONSE_CANCEL,
+    Input.SESSION_CLOSE,
+}
+
+
+def _pair_id(pair: tuple[State, Input]) -> str:
+    return f"{pair[0].name}-{pair[1].name}"
+
+
+def test_tables_partition_every_pair() -> None:
+    assert set(TRANSITIONS).isdisjoint(REFUSALS)
+    assert set(TRANSITIONS) | set(REFUSALS) == set(ALL_PAIRS)
+
+
+@pytest.mark.parametrize("pair", sorted(TRANSITIONS, key=_pair_id), ids=_pair_id)
+def test_transition(pair: tuple[State, Input]) -> None:
+    state, inp = pair
+    proto = _in_state(state)
+    assert proto.state is state
+    _apply(proto, inp)
+    assert proto.state is TRANSITIONS[pair]
+
+
+@pytest.mark.parametrize("pair", sorted(REFUSALS, key=_pair_id), ids=_pair_id)
+def test_refusal(pair: tuple[State, Input]) -> None:
+    state, inp = pair
+    proto = _in_state(state)
+    before = (proto.frames_total, proto.in_flight, proto.pending_frame, proto.config)
+    error = REFUSALS[pair]
+    with pytest.raises(error) as info:
+        _apply(proto, inp)
+    assert type(info.value) is error
+    assert info.value.code == error.code
+    assert proto.state is state, "a refusal leaves the state unchanged"
+    assert (proto.frames_total, proto.in_flight, proto.pending_frame, proto.config) == before
+    if inp in _CLIENT_INPUTS and inp is not Input.BINARY:
+        assert info.value.event_id == "ev", "the refusal answers the client's event"
+
+
+# Every refused pair with its documented error code, spelled out once more.
+EXPECTED_REFUSAL_CODES = {
+    "CONNECTED": {
+        "FRAME_APPEND": "session_not_open",
+        "FRAME_ANNOUNCE": "session_not_open",
+        "BINARY": "binary_unexpected",
+        "RESPONSE_CANCEL": "session_not_open",
+        "OPEN_REFUSED": "internal_error",
+        "RESPONSE_DONE": "internal_error",
+    },
+    "IDLE": {
+        "SESSION_OPEN": "session_already_open",
+        "BINARY": "binary_unexpected",
+        "RESPONSE_CANCEL": "no_response_in_flight",
+        "RESPONSE_DONE": "internal_error",
+    },
+    "AWAITING_BINARY": {
+        "SESSION_OPEN": "session_already_open",
+        "FRAME_APPEND": "chunk_in_flight",
+        "FRAME_ANNOUNCE": "chunk_in_flight",
+        "RESPONSE_CANCEL": "no_response_in_flight",
+        "OPEN_REFUSED": "internal_error",
+        "RESPONSE_DONE": "internal_error",
+    },
+    "AWAITING_RESPONSE": {
+        "SESSION_OPEN": "session_already_open",
+        "FRAME_APPEND": "chunk_in_flight",
+        "FRAME_ANNOUNCE": "chunk_in_flight",
+        "BINARY": "binary_unexpected",
+        "OPEN_REFUSED": "internal_error",
+    },
+    "CLOSED": {
+        "SESSION_OPEN": "session_closed",
+        "FRAME_APPEND": "session_closed",
+        "FRAME_ANNOUNCE": "session_closed",
+        "BINARY": "session_closed",
+        "RESPONSE_CANCEL": "session_closed",
+        "SESSION_CLOSE": "session_closed",
+        "OPEN_REFUSED": "internal_error",
+    },
+}
+
+
+def test_refusal_codes_as_documented() -> None:
+    got: dict[str, dict[str, str]] = {}
+    for (state, inp), error in REFUSALS.items():
+        got.setdefault(state.name, {})[inp.name] = error.code
+    assert got == EXPECTED_REFUSAL_CODES
+
+
+# --------------------------------------------------------------------------- guards
+
+
+def test_open_refused_guard() -> None:
+    proto = opened()
+    submit(proto)
+    proto.response_finished("completed")
+    with pytest.raises(InternalError):
+        proto.open_refused()
+    assert proto.state is State.IDLE
+
+
+def test_open_refused_allows_retry() -> None:
+    proto = opened()
+    proto.open_refused()
+    assert (proto.state, proto.config) == (State.CONNECTED, None)
+    assert isinstance(proto.receive_client_event(SessionOpenEvent()), OpenSession)
+
+
+def test_response_done_in_closed_needs_a_draining_reply() -> None:
+    proto = opened()
+    proto.receive_client_event(SessionCloseEvent())
+    with pytest.raises(InternalError):
+        proto.response_finished("cancelled")
+
+
+# --------------------------------------------------------------------------- flows
+
+
+def test_greeting() -> None:
+    ev = new().greeting()
+    assert (ev.type, ev.session_id, ev.limits) == ("session.created", "sess_test", LIMITS)
+    assert SessionProtocol(LIMITS).session_id.startswith("sess_")
+
+
+def test_open_resolves_config() -> None:
+    proto = new()
+    action = proto.receive_client_event(
+        SessionOpenEvent.model_validate({"sampling": {"max_tokens": 4096, "seed": 3}})
+    )
+    assert isinstance(action, OpenSession)
+    assert action.config.sampling.max_tokens == 128  # capped by limits.max_tokens_cap
+    assert action.config.sampling.seed == 3
+    assert action.config.model == "test-model"
+    assert action.event.config == action.config == proto.config
+    assert (action.event.session_id, action.event.limits) == ("sess_test", LIMITS)
+
+
+def test_open_refuses_other_model() -> None:
+    proto = new()
+    with pytest.raises(InvalidEvent, match="other") as info:
+        proto.receive_client_event(SessionOpenEvent(model="other", event_id="o1"))
+    assert info.value.event_id == "o1"
+    assert proto.state is State.CONNECTED
+    proto.receive_client_event(SessionOpenEvent(model="test-model"))
+    assert proto.state is State.IDLE
+
+
+def test_frame_flow_and_indices() -> None:
+    proto = opened()
+    for i in range(3):
+        action = submit(proto, image=b64(PNG), frame_id=f"f{i}", prompt="p", timestamp=i / 10)
+        frame = action.frame
+        assert (frame.frame_index, frame.frame_id, frame.kind, frame.media_format) == (
+            i,
+            f"f{i}",
+            "image",
+            "png",
+        )
+        assert (frame.data, frame.prompt, frame.timestamp) == (PNG, "p", i / 10)
+        assert (action.ack.frame_index, action.ack.frame_id, action.ack.bytes) == (i, f"f{i}", 24)
+        assert proto.in_flight == frame
+        done = proto.response_finished(
+            "completed", text="ok", usage=Usage(prompt_tokens=5, completion_tokens=1)
+        )
+        assert (done.frame_index, done.frame_id, done.status, done.text) == (
+            i,
+            f"f{i}",
+            "completed",
+            "ok",
+        )
+        assert done.usage.prompt_tokens == 5
+        assert proto.state is State.IDLE and proto.in_flight is None
+    assert proto.frames_total == 3
+    assert proto.responses == {"completed": 3}
+    assert "data=" not in repr(frame), "payload bytes stay out of logs"
+
+
+def test_video_frame() -> None:
+    proto = opened()
+    frame = submit(proto, video=b64(WEBM)).frame
+    assert (frame.kind, frame.media_format) == ("video", "webm")
+
+
+def test_text_session() -> None:
+    proto = opened(modality="text")
+    action = submit(proto, text="héllo")
+    assert (action.frame.kind, action.frame.text, action.frame.data) == (
+        "text",
+        "héllo",
+        "héllo".encode(),
+    )
+    assert action.ack.bytes == 6
+    assert action.frame.media_format is None
+
+
+@pytest.mark.parametrize(
+    ("modality", "payload"),
+    [
+        ("text", {"image": b64(JPEG)}),
+        ("text", {"video": b64(MP4)}),
+        ("text", {"binary": True}),
+        ("video", {"text": "hi"}),
+    ],
+)
+def test_modality_mismatch(modality: str, payload: dict[str, Any]) -> None:
+    proto = opened(modality=modality)
+    with pytest.raises(InvalidEvent, match=f"{modality} session"):
+        proto.receive_client_event(FrameAppendEvent.model_validate(payload))
+    assert proto.state is State.IDLE
+
+
+@pytest.mark.parametrize(
+    ("config", "payload", "error"),
+    [
+        ({}, {"image": b64(b"GIF89a....")}, UndecodableFrame),
+        ({}, {"image": b64(MP4)}, UndecodableFrame),
+        ({}, {"video": b64(JPEG)}, UndecodableFrame),
+        ({}, {"image": "%%%"}, UndecodableFrame),
+        ({"frame_format": "jpeg"}, {"image": b64(PNG)}, UndecodableFrame),
+        ({"frame_format": "webp"}, {"image": b64(JPEG)}, UndecodableFrame),
+        ({}, {"image": b64(JPEG * 100)}, FrameTooLarge),
+        ({"modality": "text"}, {"text": "x" * 1001}, FrameTooLarge),
+    ],
+)
+def test_refused_frames_leave_idle(
+    config: dict[str, Any], payload: dict[str, Any], error: type[RealtimeError]
+) -> None:
+    proto = opened(**config)
+    with pytest.raises(error) as info:
+        proto.receive_client_event(FrameAppendEvent.model_validate({**payload, "event_id": "bad"}))
+    assert info.value.session_survives
+    assert info.value.event_id == "bad"
+    assert (proto.state, proto.frames_total, proto.in_flight) == (State.IDLE, 0, None)
+    good = {
+        "jpeg": {"image": b64(JPEG)},
+        "webp": {"image": b64(WEBP)},
+        "text": {"text": "fine"},
+    }[config.get("frame_format") or config.get("modality") or "jpeg"]
+    assert submit(proto, **good).frame.frame_index == 0, "a refused frame uses no index"
+
+
+def test_frame_format_accepts_match() -> None:
+    proto = opened(frame_format="webp")
+    assert submit(proto, image=b64(WEBP)).frame.media_format == "webp"
+
+
+def test_binary_flow() -> None:
+    proto = opened()
+    action = proto.receive_client_event(FrameAppendEvent(binary=True, frame_id="b1", prompt="q"))
+    assert action == AwaitBinary(frame_id="b1")
+    assert proto.state is State.AWAITING_BINARY
+    assert proto.pending_frame is not None
+    submitted = proto.receive_binary(MP4)
+    assert (submitted.frame.kind, submitted.frame.media_format, submitted.frame.frame_id) == (
+        "video",
+        "mp4",
+        "b1",
+    )
+    assert (submitted.frame.prompt, submitted.frame.data, submitted.ack.bytes) == (
+        "q",
+        MP4,
+        len(MP4),
+    )
+    assert proto.pending_frame is None and proto.state is State.AWAITING_RESPONSE
+
+
+@pytest.mark.parametrize(
+    ("config", "data", "error"),
+    [
+        ({}, b"junk", UndecodableFrame),
+        ({"frame_format": "png"}, JPEG, UndecodableFrame),
+        ({}, JPEG * 100, FrameTooLarge),
+    ],
+)
+def test_refused_binary_consumes_the_announcement(
+    config: dict[str, Any], data: bytes, error: type[RealtimeError]
+) -> None:
+    proto = opened(**config)
+    proto.receive_client_event(FrameAppendEvent(binary=True, event_id="ann"))
+    with pytest.raises(error) as info:
+        proto.receive_binary(data)
+    assert info.value.event_id == "ann"
+    assert (proto.state, proto.pending_frame, proto.frames_total) == (State.IDLE, None, 0)
+    with pytest.raises(BinaryUnexpected):
+        proto.receive_binary(JPEG)
+
+
+def test_cancel_flow() -> None:
+    proto = opened()
+    submit(proto)
+    assert proto.receive_client_event(ResponseCancelEvent()) == CancelResponse(frame_index=0)
+    assert proto.cancel_requested
+    assert proto.receive_client_event(ResponseCancelEvent()) == CancelResponse(frame_index=0)
+    with pytest.raises(ChunkInFlight):
+        proto.receive_client_event(FrameAppendEvent(image=b64(JPEG)))
+    done = proto.response_finished("cancelled", status_reason="client_cancelled", text="partial")
+    assert (done.status, done.status_reason, done.text) == (
+        "cancelled",
+        "client_cancelled",
+        "partial",
+    )
+    assert not proto.cancel_requested
+    assert proto.state is State.IDLE
+    with pytest.raises(NoResponseInFlight):
+        proto.receive_client_event(ResponseCancelEvent())
+
+
+def test_cancel_while_awaiting_binary_is_refused() -> None:
+    proto = opened()
+    proto.receive_client_event(FrameAppendEvent(binary=True))
+    with pytest.raises(NoResponseInFlight):
+        proto.receive_client_event(ResponseCancelEvent())
+    assert proto.state is State.AWAITING_BINARY
+
+
+@pytest.mark.parametrize(
+    "reason", ["engine_error", "disconnect", "idle_timeout", "server_shutdown", "error"]
+)
+def test_close_drains_the_reply_in_flight(reason: Any) -> None:
+    proto = opened()
+    frame = submit(proto).frame
+    action = proto.server_close(reason)
+    assert isinstance(action, CloseSession)
+    assert (action.reason, action.in_flight) == (reason, frame)
+    assert (action.event.reason, action.event.frames_total, action.event.session_id) == (
+        reason,
+        1,
+        "sess_test",
+    )
+    assert proto.state is State.CLOSED and proto.close_reason == reason
+    done = proto.response_finished("failed" if reason == "engine_error" else "cancelled")
+    assert done.frame_index == 0
+    assert proto.in_flight is None
+    with pytest.raises(InternalError):
+        proto.response_finished("cancelled")  # exactly one response.done per chunk
+    assert proto.server_close("disconnect") is None  # idempotent once closed
+    assert proto.close_reason == reason
+
+
+def test_client_close() -> None:
+    proto = opened()
+    action = proto.receive_client_event(SessionCloseEvent())
+    assert isinstance(action, CloseSession)
+    assert (action.reason, action.in_flight, action.event.frames_total) == (
+        "client_closed",
+        None,
+        0,
+    )
+    with pytest.raises(SessionClosed) as info:
+        proto.receive_client_event(SessionCloseEvent())
+    assert not info.value.session_survives
+
+
+def test_close_before_open_and_while_awaiting_binary() -> None:
+    proto = new()
+    action = proto.receive_client_event(SessionCloseEvent())
+    assert isinstance(action, CloseSession) and action.reason == "client_closed"
+    proto = opened()
+    proto.receive_client_event(FrameAppendEvent(binary=True))
+    action = proto.receive_client_event(SessionCloseEvent())
+    assert isinstance(action, CloseSession) and action.in_flight is None
+    assert proto.pending_frame is None
+
+
+def test_errors_before_open() -> None:
+    proto = new()
+    with pytest.raises(SessionNotOpen):
+        proto.receive_client_event(FrameAppendEvent(text="x"))
+    proto.receive_client_event(SessionOpenEvent())
+    with pytest.raises(SessionAlreadyOpen):
+        proto.receive_client_event(SessionOpenEvent())

@@ -1,0 +1,88 @@
+"""A real uvicorn server on loopback, in the test session's event loop, over the shared engine."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def jpeg_bytes(seed: int = 0, size: int = 112) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=80)
+    return buf.getvalue()
+
+
+@dataclass
+class RunningServer:
+    url: str
+    http: str
+    app: object
+    api_key: str | None
+
+    @property
+    def hub(self):  # type: ignore[no-untyped-def]
+        return self.app.state.hub  # type: ignore[attr-defined]
+
+
+async def _serve(
+    engine: object, api_key: str | None, **cfg: object
+) -> AsyncIterator[RunningServer]:
+    import uvicorn
+
+    from realtime.config import ServerConfig
+    from realtime.hub import SessionHub
+    from realtime.server import create_app
+
+    port = free_port()
+    config = ServerConfig(port=port, api_key=api_key, **cfg)  # type: ignore[arg-type]
+
+    async def hub_factory() -> SessionHub:
+        hub = SessionHub(engine, config, model_name="tiny-qwen2-vl")
+        await hub.start()
+        return hub
+
+    app = create_app(hub_factory, config)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets")
+    )
+    task = asyncio.create_task(server.serve())
+    for _ in range(200):
+        if server.started:
+            break
+        await asyncio.sleep(0.05)
+    assert server.started
+    yield RunningServer(
+        f"ws://127.0.0.1:{port}/v1/realtime", f"http://127.0.0.1:{port}", app, api_key
+    )
+    server.should_exit = True
+    await asyncio.wait_for(task, timeout=30)
+
+
+@pytest.fixture(scope="session")
+async def server(vlm_engine: object) -> AsyncIterator[RunningServer]:
+    async for s in _serve(
+        vlm_engine, None, max_sessions=8, idle_timeout_s=30.0, max_frame_bytes=1 << 20
+    ):
+        yield s
+
+
+@pytest.fixture(scope="session")
+async def keyed_server(vlm_engine: object) -> AsyncIterator[RunningServer]:
+    async for s in _serve(vlm_engine, "sekret-key", max_sessions=4):
+        yield s

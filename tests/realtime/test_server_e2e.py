@@ -1,0 +1,276 @@
+"""End to end: real WebSocket clients → real uvicorn server → real vLLM engine (tiny VLM)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from retention.vllm_adapter.introspect import kv_stats
+from tests.realtime.conftest import RunningServer, jpeg_bytes
+
+pytestmark = pytest.mark.slow
+
+SUBPROTOCOLS = ["vllm-realtime"]
+
+
+async def recv(ws: Any, timeout: float = 60) -> dict[str, Any]:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def recv_until(
+    ws: Any, kind: str, timeout: float = 60
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+    while True:
+        ev = await recv(ws, timeout)
+        seen.append(ev)
+        if ev["type"] == kind:
+            return ev, seen
+
+
+async def open_session(ws: Any, **fields: Any) -> dict[str, Any]:
+    hello = await recv(ws)
+    assert hello["type"] == "session.created"
+    await ws.send(json.dumps({"type": "session.open", "sampling": {"max_tokens": 4}, **fields}))
+    opened = await recv(ws)
+    assert opened["type"] == "session.opened", opened
+    return opened
+
+
+def image_event(seed: int, **extra: Any) -> str:
+    return json.dumps(
+        {"type": "frame.append", "image": base64.b64encode(jpeg_bytes(seed)).decode(), **extra}
+    )
+
+
+async def free_blocks(server: RunningServer) -> int:
+    return int((await kv_stats(server.hub.engine))["num_free_blocks"])
+
+
+async def wait_free_blocks(server: RunningServer, want: int) -> int:
+    got = -1
+    for _ in range(200):
+        got = await free_blocks(server)
+        if got == want and not server.hub.sessions:
+            return got
+        await asyncio.sleep(0.05)
+    return got
+
+
+async def quiescent_free_blocks(server: RunningServer) -> int:
+    """The pool once earlier tests' server-side clean-up has run: every usable block free."""
+    usable = int((await kv_stats(server.hub.engine))["num_usable_blocks"])
+    assert await wait_free_blocks(server, usable) == usable
+    return usable
+
+
+async def test_health_and_greeting(server: RunningServer) -> None:
+    async with httpx.AsyncClient() as client:
+        r = await client.get(server.http + "/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
+        assert ws.subprotocol == "vllm-realtime"
+        hello = await recv(ws)
+        assert hello["type"] == "session.created"
+        assert len(hello["session_id"]) >= 22 and hello["event_id"]
+
+
+async def test_lifecycle_frames_replies_and_clean_close(server: RunningServer) -> None:
+    before = await quiescent_free_blocks(server)
+    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
+        await open_session(ws, instructions="Describe each frame.")
+        for i in range(3):
+            await ws.send(image_event(i, frame_id=f"f{i}", prompt="what is this?"))
+            done, seen = await recv_until(ws, "response.done")
+            kinds = [e["type"] for e in seen]
+            assert kinds[0] == "input.ack" and "response.created" in kinds
+            assert done["frame_index"] == i and done["frame_id"] == f"f{i}"
+            assert done["status"] in ("completed", "incomplete")
+            assert done["usage"]["completion_tokens"] >= 1
+            # 16 image tokens + chat scaffolding per frame.
+            assert done["usage"]["prompt_tokens"] > 16
+            deltas = "".join(e["delta"] for e in seen if e["type"] == "response.text.delta")
+            assert deltas == done["text"]
+            assert done["retention"]["kv_blocks_held"] >= 1
+        await ws.send(json.dumps({"type": "session.close"}))
+        closed, _ = await recv_until(ws, "session.closed")
+        assert closed["reason"] == "client_closed" and closed["frames_total"] == 3
+    # Every block the session held is back in the pool.
+    assert await wait_free_blocks(server, before) == before
+
+
+async def test_binary_frame_flow(server: RunningServer) -> None:
+    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
+        await open_session(ws)
+        await ws.send(json.dumps({"type": "frame.append", "binary": True, "frame_id": "bin"}))
+        await ws.send(jpeg_bytes(7))
+        done, _ = await recv_until(ws, "response.done")
+        assert done["frame_id"] == "bin" and done["status"] in ("completed", "incomplete")
+
+
+async def test_in_flight_rejection_is_documented_and_recoverable(server: RunningServer) -> None:
+    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
+        await open_session(ws)
+        await ws.send(image_event(1))
+        await ws.send(image_event(2, event_id="second"))
+        done, seen = await recv_until(ws, "response.done")
+        errors = [e for e in seen if e["type"] == "error"]
+        assert [e["error"]["code"] for e in errors] == ["chunk_in_flight"]
+        assert errors[0]["error"]["event_id"] == "second" and errors[0]["error"]["session_survives"]
+        assert done["frame_index"] == 0
+        # The refused frame was not queued: the next one is index 1.
+        await ws.send(image_event(3))
+        done, _ = await recv_until(ws, "response.done")
+        assert done["frame_index"] == 1
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        ("{not json", "invalid_json"),
+        (json.dumps({"type": "frame.teleport"}), "unknown_event_type"),
+        (json.dumps({"type": "frame.append", "image": 42}), "invalid_event"),
+        (json.dumps({"type": "frame.append", "image": "aGVsbG8=", "bogus": 1}), "invalid_event"),
+        (
+            json.dumps(
+                {"type": "frame.append", "image": base64.b64encode(b"\xff\xd8\xffjunk").decode()}
+            ),
+            "undecodable_frame",
+        ),
+        (
+            json.dumps(
+                {"type": "frame.append", "image": base64.b64encode(b"x" * (2 << 20)).decode()}
+            ),
+            "frame_too_large",
+        ),
+        (json.dumps({"type": "response.cancel"}), "no_response_in_flight"),
+    ],
+)
+async def test_bad_input_gets_documented_error_and_connection_lives(
+    server: RunningServer, message: str, code: str
+) -> None:
+    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS, max_size=None) as ws:
+        await open_session(ws)
+        await ws.send(message)
+        err, seen = await recv_until(ws, "error")
+        assert err["error"]["code"] == code, err
+        # A payload that passes the cheap checks is accepted (acked) and fails at decode: its
+        # response.done says so before the error.
+        dones = [e for e in seen if e["type"] == "response.done"]
+        assert all(d["status"] == "failed" and d["status_reason"] == code for d in dones)
+        if err["error"]["session_survives"]:
+            await ws.send(image_event(5))
+            done, _ = await recv_until(ws, "response.done")
+            assert done["status"] in ("completed", "incomplete")
+            assert done["frame_index"] == len(dones)
+
+
+async def test_disconnect_mid_frame_frees_every_block(server: RunningServer) -> None:
+    before = await quiescent_free_blocks(server)
+    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
+        await open_session(ws, sampling={"max_tokens": 64})
+        await ws.send(image_event(9))
+        await recv_until(ws, "input.ack")
+    assert await wait_free_blocks(server, before) == before
+    assert not server.hub.sessions
+
+
+async def test_concurrent_sessions_get_their_own_replies(server: RunningServer) -> None:
+    before = await quiescent_free_blocks(server)
+
+    async def one(n: int) -> list[int]:
+        async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
+            await open_session(ws)
+            got = []
+            for i in range(3):
+                await ws.send(image_event(n * 10 + i, frame_id=f"s{n}-{i}"))
+                done, _ = await recv_until(ws, "response.done")
+                assert done["frame_id"] == f"s{n}-{i}"
+                got.append(done["frame_index"])
+            return got
+
+    results = await asyncio.gather(*(one(n) for n in range(4)))
+    assert results == [[0, 1, 2]] * 4
+    assert await wait_free_blocks(server, before) == before
+
+
+async def test_http_adapter_round_trip(server: RunningServer) -> None:
+    before = await quiescent_free_blocks(server)
+    async with httpx.AsyncClient(base_url=server.http, timeout=60) as client:
+        r = await client.post("/v1/streaming/sessions", json={"sampling": {"max_tokens": 3}})
+        assert r.status_code == 200, r.text
+        sid = r.json()["session_id"]
+        for i in range(2):
+            r = await client.post(
+                f"/v1/streaming/sessions/{sid}/frame",
+                content=jpeg_bytes(i),
+                headers={"content-type": "image/jpeg"},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["type"] == "response.done" and r.json()["frame_index"] == i
+        r = await client.post("/v1/streaming/sessions/nope/frame", content=b"x")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+        r = await client.delete(f"/v1/streaming/sessions/{sid}")
+        assert r.status_code == 200
+    assert await wait_free_blocks(server, before) == before
+
+
+async def test_api_key_enforced(keyed_server: RunningServer) -> None:
+    with pytest.raises(websockets.exceptions.InvalidStatus):
+        async with websockets.connect(keyed_server.url, subprotocols=SUBPROTOCOLS):
+            pass
+    offered = ["vllm-realtime", "vllm-realtime.auth.sekret-key"]
+    async with websockets.connect(keyed_server.url, subprotocols=offered) as ws:
+        assert ws.subprotocol == "vllm-realtime"  # the key is never echoed
+        assert (await recv(ws))["type"] == "session.created"
+    headers = {"Authorization": "Bearer sekret-key"}
+    async with websockets.connect(
+        keyed_server.url, subprotocols=SUBPROTOCOLS, additional_headers=headers
+    ) as ws:
+        assert (await recv(ws))["type"] == "session.created"
+    async with httpx.AsyncClient(base_url=keyed_server.http) as client:
+        assert (await client.post("/v1/streaming/sessions", json={})).status_code == 401
+        assert (await client.get("/metrics")).status_code == 401
+        assert (await client.get("/metrics", headers=headers)).status_code == 200
+
+
+async def test_capacity_refused_at_open(server: RunningServer) -> None:
+    hub = server.hub
+    per_session = hub.reservation_blocks(None)
+    fits = hub.usable_blocks // per_session
+    sockets = []
+    try:
+        for _ in range(min(fits, hub.config.max_sessions)):
+            ws = await websockets.connect(server.url, subprotocols=SUBPROTOCOLS)
+            sockets.append(ws)
+            await open_session(ws)
+        extra = await websockets.connect(server.url, subprotocols=SUBPROTOCOLS)
+        sockets.append(extra)
+        await recv(extra)
+        await extra.send(json.dumps({"type": "session.open", "event_id": "x"}))
+        err = await recv(extra)
+        assert err["type"] == "error" and err["error"]["code"] == "capacity_exceeded"
+        # The admitted ones keep answering.
+        await sockets[0].send(image_event(1))
+        done, _ = await recv_until(sockets[0], "response.done")
+        assert done["status"] in ("completed", "incomplete")
+    finally:
+        for ws in sockets:
+            await ws.close()
+
+
+async def test_metrics_exposed(server: RunningServer) -> None:
+    async with httpx.AsyncClient(base_url=server.http) as client:
+        body = (await client.get("/metrics")).text
+    for name in (
+        "vllm_realtime_sessions_open",
+        "vllm_realtime_frame_latency_seconds",
+        "vllm_realtime_kv_blocks_held",
+    ):
+        assert name in body
