@@ -1,0 +1,96 @@
+"""The README's main command, as a user runs it: `vllm-realtime serve` in its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import websockets
+
+from retention.vllm_adapter import UnsupportedVLLMVersion, check_vllm_version
+from tests.realtime.conftest import free_port
+
+BIN = Path(sys.executable).parent / "vllm-realtime"
+
+
+def test_pinned_vllm_version_is_installed_and_others_are_refused() -> None:
+    assert check_vllm_version() == "0.32.0"
+    assert check_vllm_version("0.32.0+cpu") == "0.32.0+cpu"
+    with pytest.raises(UnsupportedVLLMVersion, match=r"written for vLLM 0\.32\.0.*0\.34\.0"):
+        check_vllm_version("0.34.0")
+
+
+def test_models_list_shows_the_defaults() -> None:
+    out = subprocess.run([str(BIN), "models", "list"], capture_output=True, text=True, check=True)
+    assert "tiny-qwen2-vl (default)" in out.stdout
+    assert "smollm2-135m-instruct" in out.stdout and "built" in out.stdout
+
+
+def test_engine_guards_refuse_unservable_configs() -> None:
+    from realtime.engine import EngineConfigError, EngineSettings, build_engine_args
+
+    for extra in (
+        {"async_scheduling": True},
+        {"pipeline_parallel_size": 2},
+        {"mm_processor_cache_gb": 4},
+    ):
+        with pytest.raises(EngineConfigError):
+            build_engine_args(EngineSettings(model="tiny-qwen2-vl", extra=extra))
+
+
+@pytest.mark.slow
+async def test_serve_answers_health_and_websocket() -> None:
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    proc = subprocess.Popen(
+        [
+            str(BIN),
+            "serve",
+            "--port",
+            str(port),
+            "--kv-cache-memory-bytes",
+            str(32 << 20),
+            "--max-model-len",
+            "1024",
+            "--block-size",
+            "32",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        async with httpx.AsyncClient() as client:
+            while True:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                try:
+                    r = await client.get(f"http://127.0.0.1:{port}/health")
+                    if r.status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "server did not start"
+                await asyncio.sleep(0.5)
+        url = f"ws://127.0.0.1:{port}/v1/realtime"
+        async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
+            hello = json.loads(await ws.recv())
+            assert hello["type"] == "session.created"
+            assert hello["limits"]["model"] == "tiny-qwen2-vl"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (0, -signal.SIGINT)
