@@ -88,6 +88,7 @@ def build_engine_args(settings: EngineSettings) -> Any:
         mm_processor_cache_gb=0,
         async_scheduling=False,
         disable_log_stats=True,
+        scheduler_cls="retention.vllm_adapter.bounded_scheduler.BoundedSessionScheduler",
     )
     if settings.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes

@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import EngineError, Frame, SessionConfig
+from protocol import ContextExceeded, EngineError, Frame, SessionConfig
 from realtime.media import decode_clip, decode_image
 
+# Prefix of the stop_reason that RetentionScheduler gives a session it ended for length.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 _END = object()  # ends the input stream (graceful end of a session)
 
 
@@ -128,6 +130,12 @@ class EngineSession:
             if out.finished:
                 # Terminal: engine-initiated abort/error or end of input, never a boundary.
                 self.finished = True
+                stop = str(getattr(completion_out, "stop_reason", "") or "")
+                if stop.startswith(CONTEXT_LENGTH_EXCEEDED):
+                    raise ContextExceeded(
+                        "the session reached the model's context length; open a new session "
+                        "or enable retention"
+                    )
                 raise EngineError(
                     f"the engine ended this session ({getattr(completion_out, 'finish_reason', None)})"
                 )

@@ -65,6 +65,9 @@ class SessionHub:
         self.engine_failure: str | None = None
         self.max_model_len = int(engine.model_config.max_model_len)
         self.multimodal = bool(engine.model_config.is_multimodal_model)
+        # In-place eviction is implemented for 1D-RoPE models; mRoPE sessions stay unbounded
+        # (reserved at max_model_len) until video retention lands.
+        self.retention_supported = not bool(engine.model_config.uses_mrope)
         self.block_size = 16
         self.usable_blocks = 0
         self._tokenizer: Any = None
@@ -95,9 +98,29 @@ class SessionHub:
 
     # -- admission
 
-    def reservation_blocks(self, config: SessionConfig) -> int:
-        # Without in-place eviction a session can grow to max_model_len; reserve that.
-        return math.ceil(self.max_model_len / self.block_size) + 1
+    def retention_args(self, config: SessionConfig | None) -> dict[str, Any] | None:
+        """The engine budget (`extra_args["streaming_retention"]`) of a session, if bounded."""
+        if config is None or not self.retention_supported or not config.retention.enabled:
+            return None
+        r = config.retention
+        args: dict[str, Any] = {"sink_tokens": r.sink_tokens, "sink_chunks": r.sink_chunks}
+        if r.window_chunks is not None:
+            args["window_chunks"] = r.window_chunks
+        if r.window_tokens is not None:
+            args["window_tokens"] = r.window_tokens
+        return args
+
+    def reservation_blocks(self, config: SessionConfig | None) -> int:
+        # A session may grow to max_model_len (unbounded, or a window of chunks whose size the
+        # client picks); a token window bounds it tighter. Reserve the worst case.
+        tokens = self.max_model_len
+        if config is not None and self.retention_args(config) is not None:
+            r = config.retention
+            if r.window_tokens is not None:
+                chunk_cap = self.config.max_frame_bytes  # text: ≤ 1 token per byte
+                bound = r.sink_tokens + r.window_tokens + min(chunk_cap, self.max_model_len)
+                tokens = min(tokens, bound + config.sampling.max_tokens)
+        return math.ceil(tokens / self.block_size) + 1
 
     def reserved_total(self) -> int:
         return sum(r.reserved_blocks for r in self.sessions.values())
@@ -131,6 +154,9 @@ class SessionHub:
             output_kind=RequestOutputKind.DELTA,
             skip_clone=False,
         )
+        retention = self.retention_args(config)
+        if retention is not None:
+            params.extra_args = {"streaming_retention": retention}
         session = EngineSession(self.engine, protocol.session_id, params)
         record = SessionRecord(protocol, session, need, owner)
         self.sessions[protocol.session_id] = record
@@ -222,19 +248,29 @@ class SessionHub:
             raise raise_after
 
     async def retention_state(self, record: SessionRecord) -> RetentionState:
-        held = 0
-        with contextlib.suppress(Exception):
-            from retention.vllm_adapter.introspect import kv_stats
+        from retention.vllm_adapter.introspect import kv_stats, retention_state
 
-            stats = await kv_stats(self.engine)
-            held = int(stats["blocks_by_request"].get(record.protocol.session_id, 0))
+        sid = record.protocol.session_id
         es = record.engine_session
+        held = 0
+        state: dict[str, Any] | None = None
+        with contextlib.suppress(Exception):
+            stats = await kv_stats(self.engine)
+            held = int(stats["blocks_by_request"].get(sid, 0))
+            state = await retention_state(self.engine, sid)
+        if state is None:
+            return RetentionState(
+                frames_retained=es.chunks,
+                tokens_retained=es.context_tokens,
+                kv_blocks_held=held,
+            )
         return RetentionState(
-            frames_retained=es.chunks,
-            frames_evicted=0,
-            tokens_retained=es.context_tokens,
+            # The chunk just answered is not a history segment yet (it is the protected tail).
+            frames_retained=int(state["chunks_retained"]) + 1,
+            frames_evicted=int(state["chunks_evicted"]),
+            tokens_retained=int(state["tokens_held"]),
             kv_blocks_held=held,
-            consolidations=0,
+            consolidations=int(state["consolidations"]),
         )
 
     # -- engine failure and shutdown

@@ -41,9 +41,42 @@ def install_engine_core_utilities() -> None:
 
     if not hasattr(EngineCore, KV_STATS_METHOD):
         setattr(EngineCore, KV_STATS_METHOD, _kv_stats)
+    install_retention_utilities()
 
 
 async def kv_stats(engine: Any) -> dict[str, Any]:
     """From the front end: the EngineCore's KV pool and per-session block counts."""
     result: dict[str, Any] = await engine.engine_core.call_utility_async(KV_STATS_METHOD)
+    return result
+
+
+RETENTION_STATE_METHOD = "vllm_realtime_retention_state"
+
+
+def _retention_state(core: Any, external_id: str) -> dict[str, Any] | None:
+    scheduler = core.scheduler
+    retention = getattr(scheduler, "retention", None)
+    if retention is None:
+        return None
+    for internal_id, request in scheduler.requests.items():
+        if internal_id.rsplit("-", 1)[0] == external_id and retention.is_retention_session(
+            internal_id
+        ):
+            state: dict[str, Any] = retention.describe(request)
+            return state
+    return None
+
+
+def install_retention_utilities() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    if not hasattr(EngineCore, RETENTION_STATE_METHOD):
+        setattr(EngineCore, RETENTION_STATE_METHOD, _retention_state)
+
+
+async def retention_state(engine: Any, external_id: str) -> dict[str, Any] | None:
+    """From the front end: the retention bookkeeping of one session (None if it has none)."""
+    result: dict[str, Any] | None = await engine.engine_core.call_utility_async(
+        RETENTION_STATE_METHOD, external_id
+    )
     return result

@@ -17,6 +17,15 @@ def register() -> None:
         return
     check_vllm_version()
     from retention.vllm_adapter.introspect import install_engine_core_utilities
+    from retention.vllm_adapter.streaming import install_streaming_hardening
 
     install_engine_core_utilities()
+    from retention.vllm_adapter.positions import install_position_offset_hooks
+
+    # Worker half of 1D-RoPE retention: RoPE positions = cache index + per-request offset.
+    install_position_offset_hooks()
+    # Front-end half of the streaming-input hardening (the EngineCore half is
+    # RetentionScheduler, selected in realtime/engine.py). It patches front-end classes, which
+    # the EngineCore and worker processes import but never use.
+    install_streaming_hardening()
     _registered = True

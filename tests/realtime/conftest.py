@@ -41,7 +41,7 @@ class RunningServer:
 
 
 async def _serve(
-    engine: object, api_key: str | None, **cfg: object
+    engine: object, api_key: str | None, model_name: str = "tiny-qwen2-vl", **cfg: object
 ) -> AsyncIterator[RunningServer]:
     import uvicorn
 
@@ -53,7 +53,7 @@ async def _serve(
     config = ServerConfig(port=port, api_key=api_key, **cfg)  # type: ignore[arg-type]
 
     async def hub_factory() -> SessionHub:
-        hub = SessionHub(engine, config, model_name="tiny-qwen2-vl")
+        hub = SessionHub(engine, config, model_name=model_name)
         await hub.start()
         return hub
 
@@ -85,4 +85,10 @@ async def server(vlm_engine: object) -> AsyncIterator[RunningServer]:
 @pytest.fixture(scope="session")
 async def keyed_server(vlm_engine: object) -> AsyncIterator[RunningServer]:
     async for s in _serve(vlm_engine, "sekret-key", max_sessions=4):
+        yield s
+
+
+@pytest.fixture(scope="session")
+async def text_server(smollm2_engine: object) -> AsyncIterator[RunningServer]:
+    async for s in _serve(smollm2_engine, None, model_name="smollm2-135m-instruct", max_sessions=4):
         yield s

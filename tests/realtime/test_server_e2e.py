@@ -274,3 +274,27 @@ async def test_metrics_exposed(server: RunningServer) -> None:
         "vllm_realtime_kv_blocks_held",
     ):
         assert name in body
+
+
+async def test_text_session_is_bounded_by_in_place_eviction(text_server: RunningServer) -> None:
+    """SmolLM2 text turns through the server: the window slides, KV blocks stay bounded."""
+    before = await quiescent_free_blocks(text_server)
+    async with websockets.connect(text_server.url, subprotocols=SUBPROTOCOLS) as ws:
+        await open_session(
+            ws,
+            modality="text",
+            instructions="Answer in one word.",
+            retention={"sink_chunks": 1, "window_chunks": 2},
+            sampling={"max_tokens": 2},
+        )
+        held = []
+        for i in range(12):
+            await ws.send(json.dumps({"type": "frame.append", "text": f"Turn {i}: name a color."}))
+            done, _ = await recv_until(ws, "response.done")
+            assert done["status"] in ("completed", "incomplete"), done
+            held.append(done["retention"]["kv_blocks_held"])
+        assert done["retention"]["frames_evicted"] >= 4
+        assert done["retention"]["frames_retained"] <= 4
+        # Bounded: the last turns hold no more blocks than the early ones.
+        assert max(held[6:]) <= max(held[:6])
+    assert await wait_free_blocks(text_server, before) == before

@@ -1,0 +1,85 @@
+"""`BoundedSessionScheduler`: RetentionScheduler (streaming hardening) + bounded sessions.
+
+The engine's scheduler class (`scheduler_cls`, see realtime/engine.py). The mechanics of
+eviction, positions and consolidation are in `eviction.py`; this class only routes vLLM's
+scheduler events to it: a new resumable request, a chunk fold, a request freed. Requests that
+did not ask for retention pass straight through (one dict lookup per event).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.request import Request, StreamingUpdate
+
+from retention.policy import REQUEST_ARGS_KEY
+from retention.vllm_adapter.eviction import RetentionConfigError, SessionRetention
+from retention.vllm_adapter.scheduler import RetentionScheduler
+
+logger = logging.getLogger(__name__)
+
+RETENTION_UNSUPPORTED = "retention_unsupported"
+
+
+def _model_max_position(vllm_config: Any) -> int:
+    model_config = vllm_config.model_config
+    text_config = model_config.hf_text_config
+    trained = getattr(text_config, "max_position_embeddings", None)
+    return int(trained) if trained else int(model_config.max_model_len)
+
+
+class BoundedSessionScheduler(RetentionScheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        groups = self.kv_cache_config.kv_cache_groups
+        self._unsupported: str | None = None
+        if len(groups) != 1:
+            self._unsupported = (
+                f"{len(groups)} KV-cache groups (hybrid model): one token range cannot be "
+                "freed across groups of different block sizes"
+            )
+        elif self.scheduler_config.async_scheduling:
+            self._unsupported = "async scheduling (a chunk must be folded only when complete)"
+        elif self.vllm_config.parallel_config.pipeline_parallel_size > 1:
+            self._unsupported = "pipeline parallelism"
+        elif self.vllm_config.model_config.uses_mrope:
+            # The worker rebuilds mRoPE positions from the compacted prompt at every fold;
+            # per-token position slicing for mRoPE is not implemented yet (video sessions).
+            self._unsupported = "retention for mRoPE (multimodal) models is not implemented yet"
+        block_size = groups[0].kv_cache_spec.block_size if groups else self.block_size
+        self.retention = SessionRetention(
+            self.kv_cache_manager, int(block_size), _model_max_position(self.vllm_config)
+        )
+
+    def add_request(self, request: Request) -> None:
+        is_new = request.request_id not in self.requests
+        super().add_request(request)
+        if not is_new or request.request_id not in self.requests:
+            return
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        if not extra or REQUEST_ARGS_KEY not in extra:
+            return
+        problem = self._unsupported
+        if problem is None and not request.resumable:
+            problem = "retention needs a streaming-input (resumable) request"
+        if problem is None:
+            try:
+                self.retention.on_new_request(request)
+                return
+            except (RetentionConfigError, ValueError) as exc:
+                problem = str(exc)
+        # Refuse clearly, through the same path as the other session errors.
+        message = f"{RETENTION_UNSUPPORTED}: {problem}"
+        logger.warning(message)
+        self._session_errors[request.request_id] = message
+
+    def _update_request_as_session(self, session: Request, update: StreamingUpdate) -> None:
+        super()._update_request_as_session(session, update)
+        if session.request_id in self._session_errors:
+            return  # not folded: the session is being ended
+        self.retention.after_fold(session)
+
+    def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
+        self.retention.on_finished(request.request_id)
+        return super()._free_request(request, *args, **kwargs)

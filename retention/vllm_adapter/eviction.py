@@ -1,0 +1,206 @@
+"""Scheduler-side bounded sessions: record segments, evict in place, consolidate (vLLM 0.32).
+
+Theory of operation
+===================
+A retention session is a resumable request whose first chunk carries
+``SamplingParams.extra_args["streaming_retention"]`` (a :class:`RetentionBudget`). Everything
+happens when vLLM folds the next chunk into the paused request (the scheduler's
+``_update_request_as_session``): at that moment nothing of the request is in flight and its KV is
+complete up to ``num_computed_tokens``.
+
+* Segments. The tokens computed since the last fold — the previous chunk's prompt and the reply
+  tokens vLLM keeps — become one :class:`HistorySegment`, so a chunk and its reply are evicted
+  together. The chunk just folded in is not recorded yet (it is the protected tail).
+* Eviction. The pure policy plans block-aligned ranges; each is freed through the KV
+  range-free primitive, highest range first, so the lower ranges' coordinates stay valid. For
+  every range actually freed, every per-token array of the request is compacted by exactly that
+  span (``_all_token_ids``, ``prompt_token_ids``, ``num_prompt_tokens``, ``num_computed_tokens``,
+  ``block_hashes``, multimodal offsets), and prefix-cache reads are switched off for the request
+  (its remaining hashes describe the uncompacted chain). The worker mirrors it for free: vLLM
+  sends a folded continuation to the worker as a new request carrying its full block table.
+* Positions (1D RoPE). Survivors keep their original positions; a token computed now is at
+  ``cache index + offset`` with ``offset = position cursor - tokens held``, sent to the worker in
+  ``extra_args[POSITION_OFFSET_KEY]`` (see ``positions.py``).
+* Consolidation. When the next chunk plus its reply would pass ``max_position`` (the model's
+  trained range, or the budget's own limit), the request preempts itself: all its blocks are
+  freed and it is re-prefilled from the compacted tokens with positions 0..n-1 (offset 0). The
+  re-prefill includes the chunk just folded in, so the sample it produces IS the reply to that
+  chunk; no sample of a re-prefill of old context alone is ever produced.
+
+Requests without the key take none of these paths (one dict lookup per fold).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from retention.policy import (
+    REQUEST_ARGS_KEY,
+    RetentionBudget,
+    SessionHistory,
+    append_segment,
+    apply_eviction,
+    consolidate,
+    needs_consolidation,
+    plan_eviction,
+)
+from retention.vllm_adapter.kv_range import evict_token_range_for_request
+from retention.vllm_adapter.positions import POSITION_OFFSET_KEY
+
+
+class RetentionConfigError(ValueError):
+    """A retention budget that this engine cannot serve."""
+
+
+@dataclass
+class SessionRetentionState:
+    budget: RetentionBudget
+    history: SessionHistory
+    max_position: int
+    evict_calls: int = 0
+    blocks_freed_total: int = 0
+
+
+def budget_of(sampling_params: Any) -> RetentionBudget | None:
+    extra = getattr(sampling_params, "extra_args", None)
+    if not extra or REQUEST_ARGS_KEY not in extra:
+        return None
+    raw = extra[REQUEST_ARGS_KEY]
+    if not isinstance(raw, dict):
+        raise RetentionConfigError(f"{REQUEST_ARGS_KEY} must be a mapping")
+    return RetentionBudget.from_request_args(raw)
+
+
+def _set_offset(request: Any, offset: int) -> None:
+    params = request.sampling_params
+    extra = dict(params.extra_args or {})
+    extra[POSITION_OFFSET_KEY] = int(offset)
+    params.extra_args = extra
+
+
+class SessionRetention:
+    """Per-scheduler registry of retention sessions. Lives in the EngineCore process."""
+
+    def __init__(self, kv_cache_manager: Any, block_size: int, model_max_position: int) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = block_size
+        self.model_max_position = model_max_position
+        self.sessions: dict[str, SessionRetentionState] = {}
+
+    # -- lifecycle
+
+    def on_new_request(self, request: Any) -> None:
+        if not getattr(request, "resumable", False):
+            return
+        budget = budget_of(request.sampling_params)
+        if budget is None:
+            return
+        limit = self.model_max_position
+        if budget.max_position is not None:
+            limit = min(limit, budget.max_position)
+        self.sessions[request.request_id] = SessionRetentionState(
+            budget=budget, history=SessionHistory.for_budget(budget), max_position=limit
+        )
+        _set_offset(request, 0)
+
+    def on_finished(self, request_id: str) -> None:
+        self.sessions.pop(request_id, None)
+
+    def is_retention_session(self, request_id: str) -> bool:
+        return request_id in self.sessions
+
+    # -- the fold
+
+    def after_fold(self, request: Any, kind: str = "chunk") -> None:
+        """Called right after vLLM folded the next chunk into the paused request."""
+        state = self.sessions.get(request.request_id)
+        if state is None:
+            return
+        history = state.history
+        computed = int(request.num_computed_tokens)
+        new_tokens = computed - history.num_tokens
+        if new_tokens > 0:
+            history = append_segment(history, kind, new_tokens)
+        plan = plan_eviction(history, state.budget, self.block_size, protected_tail_tokens=0)
+        freed: list[tuple[int, int]] = []
+        for start, end in reversed(plan.ranges):
+            a, b, n = evict_token_range_for_request(
+                self.kv_cache_manager,
+                request.request_id,
+                start,
+                end,
+                num_committed_tokens=computed,
+            )
+            state.evict_calls += 1
+            if n == 0:
+                continue
+            state.blocks_freed_total += n
+            self._compact_request(request, a, b)
+            freed.append((a, b))
+        if plan.ranges:
+            history = apply_eviction(history, sorted(freed), dropped=plan.dropped_segments)
+        incoming = (
+            int(request.num_tokens) - int(request.num_computed_tokens) + int(request.max_tokens)
+        )
+        if needs_consolidation(history, state.budget, incoming, state.max_position):
+            history = consolidate(history)
+            self._reprefill(request)
+        state.history = history
+        _set_offset(request, history.next_position() - history.num_tokens)
+
+    def _compact_request(self, request: Any, start: int, end: int) -> None:
+        width = end - start
+        del request._all_token_ids[start:end]
+        assert request.prompt_token_ids is not None
+        del request.prompt_token_ids[start:end]
+        request.num_prompt_tokens = len(request.prompt_token_ids)
+        request.num_computed_tokens -= width
+        bs = self.block_size
+        del request.block_hashes[start // bs : end // bs]
+        # Its remaining hashes chain over the uncompacted tokens: never look them up again.
+        request.skip_reading_prefix_cache = True
+        if request.mm_features:
+            kept = []
+            for feature in request.mm_features:
+                pos = feature.mm_position
+                if pos.offset >= end:
+                    feature.mm_position = replace(pos, offset=pos.offset - width)
+                    kept.append(feature)
+                elif pos.offset + pos.length <= start:
+                    kept.append(feature)
+                # else: the feature's placeholders were freed with the range
+            request.mm_features = kept
+
+    def _reprefill(self, request: Any) -> None:
+        """Self-preemption: free every block, recompute the compacted context from position 0."""
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.block_hashes.clear()
+        request.update_block_hashes()
+        # The fresh chain describes the compacted tokens at positions 0..n-1, but reading it
+        # could still hit blocks other requests cached for the same tokens: also correct (same
+        # tokens, same positions); we skip reads anyway to keep the re-prefill self-contained.
+        request.skip_reading_prefix_cache = True
+
+    # -- introspection
+
+    def describe(self, request: Any) -> dict[str, Any]:
+        state = self.sessions[request.request_id]
+        h = state.history
+        positions: list[int] = []
+        for seg in h.segments:
+            positions.extend(range(seg.position_start, seg.position_start + seg.num_tokens))
+        return {
+            "segments": len(h.segments),
+            "chunks_retained": h.num_chunks,
+            "chunks_evicted": h.chunks_evicted_total,
+            "tokens_evicted": h.tokens_evicted_total,
+            "tokens_held": h.num_tokens,
+            "evictions": h.evictions_total,
+            "consolidations": h.consolidations_total,
+            "position_cursor": h.next_position(),
+            "blocks_freed_total": state.blocks_freed_total,
+            "history_positions": positions,
+            "token_ids": list(request._all_token_ids[: h.num_tokens]),
+        }

@@ -1,0 +1,453 @@
+"""Front-end hardening of vLLM 0.32's streaming input (AsyncLLM, OutputProcessor).
+
+A realtime session is ONE long-lived vLLM request fed chunk by chunk: the client's chunks are
+`StreamingInput`s from an async generator, `AsyncLLM._add_streaming_input_request` sends each as
+a `resumable` EngineCoreRequest under the same internal request id, and a last non-resumable
+`[0]` request ("end of stream") closes it. In EngineCore each chunk runs until its own
+max_tokens/stop; the request then parks in WAITING_FOR_STREAMING_REQ with its KV and the next
+chunk is folded into it. In the front end the per-chunk end is visible only as a *transient*
+finish_reason on an output whose `finished` is False (the "chunk boundary").
+
+Theory of operation
+===================
+
+Four weaknesses of stock 0.32 are closed here, all on the front-end side; the EngineCore side
+is `retention.vllm_adapter.scheduler.RetentionScheduler`. Each one is shown on the real engine
+by tests/retention/test_streaming_hardening.py.
+
+a. Boundaries are never merged away. `RequestOutputCollector.put` merges DELTA outputs while
+   the consumer is behind, and `RequestOutput.add` overwrites `finish_reason` with the next
+   chunk's None: a slow consumer loses boundaries. Streaming sessions get a
+   `StreamingOutputCollector`, a FIFO that merges an output into the pending one only while that
+   one is still open (no finish_reason, not finished). Within a chunk DELTA merging stays as in
+   vLLM; an output that closes a chunk is delivered on its own. An exception is delivered after
+   the outputs already pending (vLLM replaces them); after it nothing more is delivered.
+
+b. Engine-initiated ABORT / ERROR is terminal. `OutputProcessor.process_outputs` forces
+   `finished=False` on every output of a session whose stream is still open, so an abort from
+   EngineCore (pause, shutdown, fault handling) or an error (a chunk that failed EngineCore
+   pre-processing, `RetentionScheduler`'s context-length error) looked like a boundary: the
+   consumer waited forever and the next chunk resurrected the session. The wrapper marks such a
+   session's stream closed right before vLLM handles that output (the batch is handed to vLLM
+   in segments, so an earlier output of the same batch, such as the session's last chunk
+   boundary, is still a boundary), so vLLM itself finishes the session (finished=True, state
+   freed); and it adds the id to `reqs_to_abort`, because a
+   pre-processing error does not free the parked session in the scheduler. Abort of an id the
+   scheduler has already freed is a no-op there.
+
+c. No chunk after an abort. `AsyncLLM.abort` (and `generate`'s cancel path, which calls it)
+   used to abort while the input-stream task was alive, and `RequestOutputCollector.close`
+   only cancels that task. A chunk the task was about to send then went out after the abort,
+   registered a fresh request state in the front end and a new resumable request in
+   EngineCore, which parked holding KV that nothing ever freed. Now `abort` first cancels the
+   input-stream tasks of the streaming sessions it aborts and waits for them to end; only then
+   does vLLM's abort run. The input loop also re-checks, before every non-first chunk and
+   before end-of-stream, that the front end still knows the session (the check and vLLM's
+   registration run without an `await` in between), so a session that ended for any other
+   reason is never revived from the front end either. Non-first chunks and end-of-stream are
+   tagged (`STREAM_ROLE_KEY` in `SamplingParams.extra_args`, on a copy of the shared params),
+   which lets `RetentionScheduler` reject what still arrives for an id it does not know.
+
+d. A zero-chunk stream ends cleanly: as in vLLM, STREAM_FINISHED is delivered and nothing is
+   sent to EngineCore (the `[0]` end-of-stream request is built only for validation). The
+   end-of-stream request of a session that is already over is not sent at all.
+
+Requests that are not streaming sessions take none of these paths: they get vLLM's own
+collector from vLLM's own `add_request`; the abort wrapper finds no input-stream task for them
+and the output wrapper looks only at ABORT/ERROR outputs of sessions whose stream is open.
+
+Everything is installed by `install_streaming_hardening()` from the plugin's `register()`, in
+every vLLM process (only the front end ever calls it); it is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import weakref
+from collections import deque
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from vllm.outputs import STREAM_FINISHED, PoolingRequestOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.output_processor import RequestOutputCollector
+
+if TYPE_CHECKING:
+    from vllm.engine.protocol import StreamingInput
+    from vllm.lora.request import LoRARequest
+    from vllm.pooling_params import PoolingParams
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutput
+    from vllm.v1.kv_hints import KvHintsEnvelope
+
+logger = logging.getLogger(__name__)
+
+# Tag of a streaming request in `SamplingParams.extra_args` (the field vLLM keeps for plugins).
+# The first chunk is untagged, exactly as vLLM sends it.
+STREAM_ROLE_KEY: Final = "vllm_realtime.stream_role"
+CONTINUATION: Final = "continuation"  # a non-first chunk of a session
+END: Final = "end"  # the end-of-stream request
+_ROLES: Final = frozenset({CONTINUATION, END})
+
+# How long `abort` waits for an input-stream task it cancelled. A well-behaved client generator
+# ends at once; one that swallows cancellation must not hang the abort (the re-check before
+# every chunk and RetentionScheduler still keep a late chunk from doing harm).
+INPUT_STREAM_STOP_TIMEOUT_S: Final = 5.0
+
+_INSTALLED_ATTR: Final = "_vllm_realtime_streaming_hardening"
+_STREAMS_ATTR: Final = "_vllm_realtime_input_streams"
+
+
+def stream_role(params: SamplingParams | None) -> str | None:
+    """CONTINUATION, END, or None (first chunk, or not a streaming request)."""
+    if params is None or not params.extra_args:
+        return None
+    role = params.extra_args.get(STREAM_ROLE_KEY)
+    return role if role in _ROLES else None
+
+
+def tag_stream_role(request: EngineCoreRequest, role: str) -> None:
+    """Tag a streaming EngineCoreRequest with its role.
+
+    All chunks of a session share one SamplingParams object (vLLM sets skip_clone), so the tag
+    goes on a shallow copy with its own extra_args dict; the shared object is left untouched.
+    """
+    if role not in _ROLES:
+        raise ValueError(f"unknown stream role {role!r}")
+    params = request.sampling_params
+    if params is None:
+        raise ValueError("only sampling requests can be streaming chunks")
+    tagged = copy.copy(params)
+    tagged.extra_args = {**(params.extra_args or {}), STREAM_ROLE_KEY: role}
+    request.sampling_params = tagged
+
+
+def _closes_chunk(output: RequestOutput) -> bool:
+    return output.finished or any(c.finish_reason is not None for c in output.outputs)
+
+
+# vLLM is imported with follow_imports=skip, so its classes are Any to mypy.
+class StreamingOutputCollector(RequestOutputCollector):  # type: ignore[misc]
+    """The per-session output queue of a streaming session; never merges across a boundary.
+
+    Same interface as vLLM's `RequestOutputCollector` (put / get / get_nowait / close), but a
+    FIFO instead of a single slot: an output is merged into the last pending one only while
+    that one is open, so every chunk boundary reaches the consumer.
+    """
+
+    def __init__(
+        self, output_kind: RequestOutputKind, request_id: str, external_id: str | None = None
+    ):
+        super().__init__(output_kind, request_id)
+        # The client's id, for `abort(external_id)`; request_id is the internal one.
+        self.external_id = request_id if external_id is None else external_id
+        self._pending: deque[RequestOutput | PoolingRequestOutput | Exception] = deque()
+
+    def put(self, output: RequestOutput | PoolingRequestOutput | Exception) -> None:
+        pending = self._pending
+        last = pending[-1] if pending else None
+        if isinstance(last, Exception):
+            # After an error nothing more is delivered; a newer error wins, as in vLLM.
+            if isinstance(output, Exception):
+                pending[-1] = output
+            return
+        if (
+            isinstance(output, RequestOutput)
+            and isinstance(last, RequestOutput)
+            and not _closes_chunk(last)
+        ):
+            # Same chunk: merge as vLLM does (DELTA: concatenate). `last` is never the shared
+            # STREAM_FINISHED sentinel (it is finished), so the sentinel is never mutated.
+            last.add(output, aggregate=self.aggregate)
+        else:
+            pending.append(output)
+        self.ready.set()
+
+    def _take(self) -> RequestOutput | PoolingRequestOutput:
+        item = self._pending.popleft()
+        if not self._pending:
+            self.ready.clear()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def get(self) -> RequestOutput | PoolingRequestOutput:
+        while not self._pending:
+            await self.ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> RequestOutput | PoolingRequestOutput | None:
+        return self._take() if self._pending else None
+
+    def input_stream_task(self) -> asyncio.Task[Any] | None:
+        task: asyncio.Task[Any] | None = self._input_stream_task
+        return task
+
+
+def _input_streams(engine: AsyncLLM) -> weakref.WeakValueDictionary[str, StreamingOutputCollector]:
+    """Live streaming sessions of this AsyncLLM by internal request id (weak: a session's
+    collector lives as long as its `generate`)."""
+    streams: weakref.WeakValueDictionary[str, StreamingOutputCollector] | None = (
+        engine.__dict__.get(_STREAMS_ATTR)
+    )
+    if streams is None:
+        streams = weakref.WeakValueDictionary()
+        engine.__dict__[_STREAMS_ATTR] = streams
+    return streams
+
+
+async def _add_streaming_input_request(
+    self: AsyncLLM,
+    request_id: str,
+    input_stream: AsyncGenerator[StreamingInput, None],
+    sampling_params: SamplingParams | PoolingParams,
+    arrival_time: float | None = None,
+    lora_request: LoRARequest | None = None,
+    tokenization_kwargs: dict[str, Any] | None = None,
+    trace_headers: Mapping[str, str] | None = None,
+    priority: int = 0,
+    data_parallel_rank: int | None = None,
+    session_id: str | None = None,
+    kv_hints: KvHintsEnvelope | None = None,
+) -> RequestOutputCollector:
+    """Replaces `AsyncLLM._add_streaming_input_request` (0.32). Same protocol to EngineCore;
+    differences, each marked below: our collector (a), tags (c), the liveness re-check before
+    every non-first chunk and before end-of-stream (b, c), and registration for `abort` (c)."""
+    from vllm import TokensPrompt
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.inputs.preprocess import extract_prompt_components
+    from vllm.v1.engine.async_llm import InputStreamError
+
+    self._validate_streaming_input_sampling_params(sampling_params)
+    if not isinstance(sampling_params, SamplingParams):  # refused by the validation above
+        raise TypeError("streaming input needs SamplingParams")
+
+    inputs: dict[str, Any] = dict(
+        supported_tasks=await self.get_supported_tasks(),
+        arrival_time=arrival_time,
+        lora_request=lora_request,
+        tokenization_kwargs=tokenization_kwargs,
+        trace_headers=trace_headers,
+        priority=priority,
+        data_parallel_rank=data_parallel_rank,
+        session_id=session_id,
+        kv_hints=kv_hints,
+    )
+
+    if not sampling_params.skip_clone:
+        sampling_params = sampling_params.clone()
+        sampling_params.skip_clone = True
+
+    # Built for validation, and sent as the end-of-stream signal once the input stream closes.
+    final_req = self.input_processor.process_inputs(
+        request_id=request_id,
+        prompt=TokensPrompt(prompt_token_ids=[0]),
+        params=sampling_params,
+        **inputs,
+    )
+    self.input_processor.assign_request_id(final_req)
+    internal_req_id = final_req.request_id
+    tag_stream_role(final_req, END)  # (c) RetentionScheduler drops it for an unknown id
+
+    # (a) a collector that never merges across a chunk boundary.
+    queue = StreamingOutputCollector(sampling_params.output_kind, internal_req_id, request_id)
+    output_processor = self.output_processor
+
+    async def handle_inputs() -> None:
+        cancelled = False
+        errored = False
+        session_over = False
+        any_added = False
+        try:
+            async for input_chunk in input_stream:
+                sp = input_chunk.sampling_params
+                if sp:
+                    self._validate_streaming_input_sampling_params(sp)
+                else:
+                    sp = sampling_params
+                req = self.input_processor.process_inputs(
+                    request_id=internal_req_id,
+                    prompt=input_chunk.prompt,
+                    params=sp,
+                    resumable=True,
+                    **inputs,
+                )
+                req.external_req_id = request_id
+                if req.prompt_embeds is not None:
+                    raise VLLMValidationError("prompt_embeds not supported for streaming inputs")
+                prompt_text, _, _ = extract_prompt_components(self.model_config, input_chunk.prompt)
+                if any_added:
+                    # (b, c) The session ended (engine abort/error, or aborted): never send a
+                    # chunk for it, vLLM would register it as a new request on both sides.
+                    # No await between this check and `_add_request`'s registration.
+                    if not output_processor.has_request(internal_req_id):
+                        session_over = True
+                        break
+                    tag_stream_role(req, CONTINUATION)
+                await self._add_request(req, prompt_text, None, 0, queue)
+                any_added = True
+        except (asyncio.CancelledError, GeneratorExit):
+            cancelled = True
+        except Exception as error:
+            # Wrapped so that generate() re-raises the client's own error.
+            queue.put(InputStreamError(error))
+            errored = True
+        finally:
+            queue._input_stream_task = None
+            if session_over:
+                try:
+                    await input_stream.aclose()
+                except Exception:
+                    logger.exception("closing the input stream of %s failed", request_id)
+            elif not cancelled:
+                if any_added:
+                    # (d) No end-of-stream for a session that is already over: EngineCore
+                    # would run the `[0]` prompt as a new request (a placeholder generation).
+                    if output_processor.has_request(internal_req_id):
+                        await self._add_request(final_req, None, None, 0, queue)
+                elif not errored:
+                    queue.put(STREAM_FINISHED)
+
+    self._run_output_handler()
+    _input_streams(self)[internal_req_id] = queue  # (c) found by `abort`
+    queue._input_stream_task = asyncio.create_task(handle_inputs())
+    return queue
+
+
+async def stop_input_streams(engine: AsyncLLM, request_ids: Iterable[str], internal: bool) -> None:
+    """Cancel the input-stream tasks of the given streaming sessions and wait until they end.
+
+    Ids are internal or external as for `AsyncLLM.abort`. Sessions that are not streaming, or
+    whose input stream has already ended, are skipped. Afterwards no chunk of these sessions
+    can be sent any more, so the abort that follows is the last word.
+    """
+    streams = _input_streams(engine)
+    if not streams:
+        return
+    if internal:
+        found = [c for c in map(streams.get, request_ids) if c is not None]
+    else:
+        wanted = set(request_ids)
+        found = [c for c in list(streams.values()) if c.external_id in wanted]
+    current = asyncio.current_task()
+    tasks: list[asyncio.Task[Any]] = []
+    for collector in found:
+        task = collector.input_stream_task()
+        if task is None or task.done() or task is current:
+            continue
+        task.cancel()
+        tasks.append(task)
+    if not tasks:
+        return
+    _, still_running = await asyncio.wait(tasks, timeout=INPUT_STREAM_STOP_TIMEOUT_S)
+    if still_running:
+        logger.warning(
+            "input stream of %d streaming session(s) did not stop within %.1f s of being "
+            "cancelled; aborting anyway",
+            len(still_running),
+            INPUT_STREAM_STOP_TIMEOUT_S,
+        )
+
+
+AbortFn = Callable[..., Coroutine[Any, Any, None]]
+
+
+def _make_abort(original: AbortFn) -> AbortFn:
+    async def abort(
+        self: AsyncLLM, request_id: str | Iterable[str], internal: bool = False
+    ) -> None:
+        # (c) Stop the input streams first: vLLM aborts while they may still send a chunk.
+        if not isinstance(request_id, str):
+            request_id = list(request_id)  # may be a one-shot iterable; read twice below
+        ids = (request_id,) if isinstance(request_id, str) else request_id
+        try:
+            await stop_input_streams(self, ids, internal)
+        finally:
+            # Even if this task is cancelled while it waits, the abort itself must happen; a
+            # chunk still in flight then meets the liveness re-check or RetentionScheduler.
+            await original(self, request_id, internal)
+
+    abort.__doc__ = original.__doc__
+    return abort
+
+
+ProcessOutputsFn = Callable[..., "OutputProcessorOutput"]
+
+
+def _make_process_outputs(original: ProcessOutputsFn) -> ProcessOutputsFn:
+    from vllm.v1.engine import FinishReason
+
+    terminal = frozenset({FinishReason.ABORT, FinishReason.ERROR})
+
+    def process_outputs(
+        self: OutputProcessor,
+        engine_core_outputs: list[EngineCoreOutput],
+        *args: Any,
+        **kwargs: Any,
+    ) -> OutputProcessorOutput:
+        # (b) An engine-side ABORT/ERROR ends a streaming session: close its stream just
+        # before vLLM handles that output, so vLLM reports finished=True and frees the state
+        # instead of forcing finished=False and waiting for the next chunk. Only that output:
+        # the same batch may carry the session's last chunk boundary first (e.g. the
+        # context-length error of RetentionScheduler comes right after it), which must stay a
+        # boundary. So the batch is handed to vLLM in segments cut before each such output.
+        # Candidates: ABORT/ERROR of a session whose stream is open. `streaming_input` only
+        # ever goes from True to False, so this is a superset of what is re-checked below;
+        # requests that are not streaming sessions never have it set.
+        cuts = [
+            i
+            for i, eco in enumerate(engine_core_outputs)
+            if eco.finish_reason is not None
+            and eco.finish_reason in terminal
+            and (state := self.request_states.get(eco.request_id)) is not None
+            and state.streaming_input
+        ]
+        if not cuts:
+            return original(self, engine_core_outputs, *args, **kwargs)
+        ended: list[str] = []
+        result: OutputProcessorOutput | None = None
+        start = 0
+        for cut in [*cuts, len(engine_core_outputs)]:
+            if cut > start:
+                part = original(self, engine_core_outputs[start:cut], *args, **kwargs)
+                if result is None:
+                    result = part
+                else:
+                    result.request_outputs.extend(part.request_outputs)
+                    result.reqs_to_abort.extend(part.reqs_to_abort)
+            if cut < len(engine_core_outputs):
+                request_id = engine_core_outputs[cut].request_id
+                state = self.request_states.get(request_id)
+                if state is not None and state.streaming_input:
+                    state.streaming_input = False
+                    state.input_chunk_queue = None  # chunks not yet started never run
+                    # A chunk that failed EngineCore pre-processing reports ERROR but leaves
+                    # the parked session in the scheduler: abort it there too (a no-op for
+                    # an id the scheduler has already freed).
+                    ended.append(request_id)
+            start = cut
+        assert result is not None
+        result.reqs_to_abort.extend(ended)
+        return result
+
+    process_outputs.__doc__ = original.__doc__
+    return process_outputs
+
+
+def install_streaming_hardening() -> None:
+    """Idempotently patch AsyncLLM and OutputProcessor (vLLM 0.32) as described above."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    if getattr(AsyncLLM, _INSTALLED_ATTR, False):
+        return
+    # (a, c, d) our input loop and collector for streaming sessions only.
+    AsyncLLM._add_streaming_input_request = _add_streaming_input_request
+    # (c) stop a session's input stream before aborting it.
+    AsyncLLM.abort = _make_abort(AsyncLLM.abort)
+    # (b) engine-side ABORT/ERROR is terminal for a streaming session.
+    OutputProcessor.process_outputs = _make_process_outputs(OutputProcessor.process_outputs)
+    setattr(AsyncLLM, _INSTALLED_ATTR, True)
