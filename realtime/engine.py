@@ -64,6 +64,11 @@ def build_engine_args(settings: EngineSettings) -> Any:
     # Guards: fail fast on what the session layer cannot serve.
     if int(extra.get("pipeline_parallel_size", 1) or 1) != 1:
         raise EngineConfigError("pipeline parallelism is not supported for streaming sessions")
+    if int(extra.pop("api_server_count", 1) or 1) != 1:
+        raise EngineConfigError(
+            "several API-server processes are not supported: the session registry lives in "
+            "one process (run replicas behind a session-affine router instead)"
+        )
     if extra.get("async_scheduling"):
         raise EngineConfigError(
             "async scheduling is not supported: a session's next chunk is folded in only after "

@@ -41,6 +41,7 @@ def test_engine_guards_refuse_unservable_configs() -> None:
         {"async_scheduling": True},
         {"pipeline_parallel_size": 2},
         {"mm_processor_cache_gb": 4},
+        {"api_server_count": 2},
     ):
         with pytest.raises(EngineConfigError):
             build_engine_args(EngineSettings(model="tiny-qwen2-vl", extra=extra))
