@@ -193,7 +193,10 @@ class SessionRetention:
             positions.extend(range(seg.position_start, seg.position_start + seg.num_tokens))
         return {
             "segments": len(h.segments),
-            "chunks_retained": h.num_chunks,
+            # Whole chunks held; remnants (tokens of a dropped chunk that share a block with a
+            # survivor) are counted in tokens, not as retained chunks.
+            "chunks_retained": len({seg.index for seg in h.segments if not seg.remnant}),
+            "remnant_tokens": sum(seg.num_tokens for seg in h.segments if seg.remnant),
             "chunks_evicted": h.chunks_evicted_total,
             "tokens_evicted": h.tokens_evicted_total,
             "tokens_held": h.num_tokens,

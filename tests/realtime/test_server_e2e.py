@@ -295,6 +295,8 @@ async def test_text_session_is_bounded_by_in_place_eviction(text_server: Running
             held.append(done["retention"]["kv_blocks_held"])
         assert done["retention"]["frames_evicted"] >= 4
         assert done["retention"]["frames_retained"] <= 4
-        # Bounded: the last turns hold no more blocks than the early ones.
-        assert max(held[6:]) <= max(held[:6])
+        # Bounded: sink turn (~40 tokens) + 2 window turns + the turn in flight (~22 tokens
+        # each) + at most one block of remnants ≈ 140 tokens ≤ 5 blocks of 32. Unbounded, 12
+        # turns would hold ≥ 9 blocks.
+        assert max(held) <= 5, held
     assert await wait_free_blocks(text_server, before) == before
