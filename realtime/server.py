@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.websockets import WebSocketState
 
 from protocol import (
@@ -368,6 +369,10 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
         return JSONResponse(body)
 
     app.state.http_sessions = http_sessions
+    if STATIC_DIR.is_dir():
+        # The demo page's assets. realtime-client.js there is a symlink to clients/js (one source
+        # of truth), hence follow_symlink; paths still cannot climb out of the directory.
+        app.mount("/static", StaticFiles(directory=STATIC_DIR, follow_symlink=True), name="static")
     return app
 
 

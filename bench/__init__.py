@@ -1,0 +1,1 @@
+"""Benchmarks of vllm-realtime sessions; `python -m bench.run --help`. Results go to docs/."""

@@ -1,0 +1,520 @@
+// vllm-realtime JavaScript client: a dependency-free ES module for browsers and Node.
+//
+//   import { RealtimeClient } from "./realtime-client.js";
+//   const client = await RealtimeClient.connect("ws://127.0.0.1:8000/v1/realtime", { apiKey });
+//   await client.open({ instructions: "Describe each frame.", retention: { window_chunks: 8 } });
+//   const done = await client.appendFrame(jpegBlob, { prompt: "What changed?", onDelta: d => show(d) });
+//
+// One connection carries one session; one chunk is in flight at a time (docs/protocol.md).
+// appendFrame() refuses to send while a reply is pending (a local `chunk_in_flight`, no round
+// trip); offerFrame() is the pacing helper for live sources: it sends when idle and drops (and
+// counts) the frame otherwise, so nothing queues. The API key travels as the subprotocol
+// `vllm-realtime.auth.<key>` next to `vllm-realtime`, because browsers cannot set headers.
+// In Node without a global WebSocket (Node 20), pass one: `{ WebSocket: (await import("ws")).WebSocket }`.
+
+export const PROTOCOL_VERSION = "2026-12-01";
+export const SUBPROTOCOL = "vllm-realtime";
+export const AUTH_SUBPROTOCOL_PREFIX = "vllm-realtime.auth.";
+
+const WS_OPEN = 1;
+const WS_CLOSING = 2;
+
+/** An `error` event from the server, or a failure on the client's side (`local: true`). */
+export class RealtimeError extends Error {
+  constructor(code, message, { type = "client_error", sessionSurvives = true, eventId = null, local = false } = {}) {
+    super(`${code}: ${message}`);
+    this.name = "RealtimeError";
+    this.code = code;
+    this.type = type;
+    this.sessionSurvives = sessionSurvives;
+    this.eventId = eventId;
+    this.local = local;
+  }
+
+  /** The error of a server `error` event's body. */
+  static fromDetail(detail) {
+    return new RealtimeError(detail.code, detail.message, {
+      type: detail.type,
+      sessionSurvives: detail.session_survives,
+      eventId: detail.event_id ?? null,
+    });
+  }
+}
+
+function localError(code, message, sessionSurvives = true) {
+  return new RealtimeError(code, message, { sessionSurvives, local: true });
+}
+
+function deferred() {
+  let resolve;
+  let reject;
+  const promise = new Promise((res, rej) => {
+    resolve = res;
+    reject = rej;
+  });
+  return { promise, resolve, reject };
+}
+
+function toBase64(bytes) {
+  let binary = "";
+  const step = 0x8000;
+  for (let i = 0; i < bytes.length; i += step) {
+    binary += String.fromCharCode.apply(null, bytes.subarray(i, i + step));
+  }
+  return btoa(binary);
+}
+
+/** Name the container of `bytes` from its magic bytes (as the server does), or null. */
+export function sniffMedia(bytes) {
+  const b = bytes;
+  if (b.length >= 3 && b[0] === 0xff && b[1] === 0xd8 && b[2] === 0xff) return "jpeg";
+  if (b.length >= 8 && b[0] === 0x89 && b[1] === 0x50 && b[2] === 0x4e && b[3] === 0x47) return "png";
+  const ascii = (from, to) => String.fromCharCode(...b.subarray(from, to));
+  if (b.length >= 12 && ascii(0, 4) === "RIFF" && ascii(8, 12) === "WEBP") return "webp";
+  if (b.length >= 8 && ascii(4, 8) === "ftyp") return "mp4";
+  if (b.length >= 4 && b[0] === 0x1a && b[1] === 0x45 && b[2] === 0xdf && b[3] === 0xa3) return "webm";
+  return null;
+}
+
+async function toBytes(data) {
+  if (data instanceof Uint8Array) return data;
+  if (data instanceof ArrayBuffer) return new Uint8Array(data);
+  if (ArrayBuffer.isView(data)) return new Uint8Array(data.buffer, data.byteOffset, data.byteLength);
+  if (data && typeof data.arrayBuffer === "function") return new Uint8Array(await data.arrayBuffer()); // Blob
+  throw new TypeError("frame data must be a Blob, an ArrayBuffer, a typed array or a base64 string");
+}
+
+/**
+ * One connection to `/v1/realtime` and its one session.
+ * Use `await RealtimeClient.connect(url, options)`; the constructor starts the handshake and
+ * `client.ready` settles on `session.created`.
+ */
+export class RealtimeClient {
+  static async connect(url, options = {}) {
+    const client = new RealtimeClient(url, options);
+    await client.ready;
+    return client;
+  }
+
+  constructor(url, options = {}) {
+    const { apiKey = null, WebSocket: WS = globalThis.WebSocket, timeoutMs = 60000, openTimeoutMs = 10000, onEvent = null } = options;
+    if (typeof WS !== "function") {
+      throw new TypeError("no WebSocket implementation: pass { WebSocket } (e.g. from the 'ws' package)");
+    }
+    this.url = url;
+    this.timeoutMs = timeoutMs;
+    this.created = null; // session.created
+    this.opened = null; // session.opened
+    this.closedEvent = null; // session.closed
+    this.fatal = null; // the error that ended the session
+    this.errors = []; // surviving errors that answered no pending call (newest last, at most 64)
+    this.stats = { framesSent: 0, replies: 0, dropped: 0, errors: 0 };
+    this._listeners = new Map();
+    if (onEvent) this.on("event", onEvent);
+    this._ids = 0;
+    this._turn = null;
+    this._starting = false; // a frame is being prepared (Blob read) for sending
+    this._openWait = null;
+    this._closeWait = deferred();
+    this._cancelIds = new Set();
+    this._ended = false;
+    this._ready = deferred();
+    this.ready = this._ready.promise;
+    this.ready.catch(() => {}); // a caller that never awaits `ready` must not see an unhandled rejection
+
+    const protocols = [SUBPROTOCOL];
+    if (apiKey) protocols.push(AUTH_SUBPROTOCOL_PREFIX + apiKey);
+    const ws = new WS(url, protocols);
+    ws.binaryType = "arraybuffer";
+    this._ws = ws;
+    const openTimer = setTimeout(() => {
+      this._ready.reject(localError("connection_failed", `no session.created within ${openTimeoutMs} ms`, false));
+      this._closeSocket();
+    }, openTimeoutMs);
+    this.ready.then(() => clearTimeout(openTimer), () => clearTimeout(openTimer));
+    ws.onopen = () => {
+      if (ws.protocol && ws.protocol !== SUBPROTOCOL) {
+        this._ready.reject(localError("connection_failed", `server selected subprotocol '${ws.protocol}'`, false));
+        this._closeSocket();
+      }
+    };
+    ws.onmessage = (message) => this._onMessage(message.data);
+    ws.onerror = () => {}; // a close event always follows; it carries what we can know
+    ws.onclose = (event) => this._onClose(event);
+  }
+
+  /** The session id from `session.created`. */
+  get sessionId() {
+    return this.created ? this.created.session_id : null;
+  }
+
+  /** What the server allows (from session.opened, else session.created). */
+  get limits() {
+    return (this.opened || this.created || {}).limits || null;
+  }
+
+  /** The effective session settings, once open. */
+  get config() {
+    return this.opened ? this.opened.config : null;
+  }
+
+  /** True while a chunk is in flight (sent, its response.done not received yet). */
+  get busy() {
+    return this._starting || (this._turn !== null && !this._turn.finished);
+  }
+
+  /** True once the session has ended (either side closed, or the socket went away). */
+  get closed() {
+    return this._ended || this.fatal !== null || this.closedEvent !== null;
+  }
+
+  /**
+   * Subscribe to server events: `"event"` (every event), an event type such as
+   * `"response.text.delta"`, or `"close"` (the socket closed). Returns an unsubscribe function.
+   */
+  on(type, listener) {
+    if (!this._listeners.has(type)) this._listeners.set(type, new Set());
+    this._listeners.get(type).add(listener);
+    return () => this._listeners.get(type).delete(listener);
+  }
+
+  /** Send session.open; resolves with session.opened, rejects with the server's error. */
+  async open(config = {}) {
+    this._checkAlive();
+    if (this.opened || this._openWait) throw localError("session_already_open", "open() was already called");
+    const eventId = this._newId();
+    const wait = deferred();
+    this._openWait = { eventId, ...wait };
+    try {
+      this._send({ type: "session.open", event_id: eventId, ...config });
+      this.opened = await this._withTimeout(wait.promise, this.timeoutMs, "session.opened");
+      return this.opened;
+    } finally {
+      this._openWait = null;
+    }
+  }
+
+  /**
+   * Send one image (JPEG/PNG/WebP) or clip (MP4/WebM) and resolve with its response.done.
+   * `data`: a Blob, ArrayBuffer, typed array (binary message) or a base64 / data-URL string.
+   * Options: prompt, frameId, timestamp, binary (default true), timeoutMs, onDelta(delta, textSoFar).
+   * Rejects at once with a local `chunk_in_flight` if a reply is pending.
+   */
+  async appendFrame(data, options = {}) {
+    this._checkReady();
+    this._starting = true;
+    let prepared;
+    try {
+      prepared = await this._prepareFrame(data, options);
+    } finally {
+      this._starting = false;
+    }
+    return this._startTurn(prepared.fields, prepared.bytes, options);
+  }
+
+  /** Send one text turn (`"text"` sessions) and resolve with its response.done. */
+  async appendText(text, options = {}) {
+    this._checkReady();
+    return this._startTurn({ ...this._frameFields(options), text }, null, options);
+  }
+
+  /**
+   * Pacing for live sources: if no chunk is in flight, send the frame (`dataOrFactory` may be a
+   * function, called only then, returning the data or a promise of it) and resolve with its
+   * response.done; otherwise count it in `stats.dropped` and resolve with null. Never queues.
+   */
+  async offerFrame(dataOrFactory, options = {}) {
+    if (this.busy) {
+      this.stats.dropped += 1;
+      return null;
+    }
+    this._checkReady();
+    this._starting = true;
+    let prepared;
+    try {
+      const data = typeof dataOrFactory === "function" ? await dataOrFactory() : dataOrFactory;
+      prepared = await this._prepareFrame(data, options);
+    } finally {
+      this._starting = false;
+    }
+    return this._startTurn(prepared.fields, prepared.bytes, options);
+  }
+
+  /** Cancel the reply in flight; resolves with its response.done (null if nothing was in flight). */
+  async cancel() {
+    const turn = this._turn;
+    if (!turn || turn.finished) return null;
+    this._sendCancel(turn);
+    return turn.promise;
+  }
+
+  /**
+   * End the session: send session.close, wait for session.closed (at most `timeoutMs`), close
+   * the socket. A reply in flight is cancelled by the server. Safe to call twice.
+   */
+  async close({ timeoutMs = 5000 } = {}) {
+    if (!this._ended && this.fatal === null && this.closedEvent === null && this._ws.readyState === WS_OPEN) {
+      try {
+        this._send({ type: "session.close", event_id: this._newId() });
+      } catch {
+        // the socket went away meanwhile
+      }
+    }
+    if (!this._ended) {
+      let timer;
+      const timeout = new Promise((resolve) => {
+        timer = setTimeout(resolve, timeoutMs);
+      });
+      await Promise.race([this._closeWait.promise, timeout]);
+      clearTimeout(timer);
+      this._closeSocket();
+    }
+    return this.closedEvent;
+  }
+
+  // ------------------------------------------------------------------ internals
+
+  _newId() {
+    this._ids += 1;
+    return `js-${this._ids}`;
+  }
+
+  _emit(type, payload) {
+    for (const key of [type, "event"]) {
+      if (key === "event" && type === "close") continue;
+      const set = this._listeners.get(key);
+      if (!set) continue;
+      for (const fn of [...set]) {
+        try {
+          fn(payload);
+        } catch (err) {
+          console.error("vllm-realtime listener failed", err);
+        }
+      }
+    }
+  }
+
+  _checkAlive() {
+    if (this.fatal) throw this.fatal;
+    if (this.closedEvent) throw localError("session_closed", `the session is closed (${this.closedEvent.reason})`, false);
+    if (this._ended || this._ws.readyState >= WS_CLOSING) throw localError("connection_lost", "the connection is closed", false);
+  }
+
+  _checkReady() {
+    this._checkAlive();
+    if (!this.opened) throw localError("session_not_open", "call open() before sending chunks");
+    if (this.busy) throw localError("chunk_in_flight", "a chunk is already in flight; wait for its response.done");
+  }
+
+  _frameFields({ prompt = null, frameId = null, timestamp = null }) {
+    const fields = { type: "frame.append" };
+    if (prompt !== null && prompt !== undefined) fields.prompt = prompt;
+    if (frameId !== null && frameId !== undefined) fields.frame_id = frameId;
+    if (timestamp !== null && timestamp !== undefined) fields.timestamp = timestamp;
+    return fields;
+  }
+
+  async _prepareFrame(data, options) {
+    const { binary = true } = options;
+    const fields = this._frameFields(options);
+    if (typeof data === "string") return { fields: { ...fields, image: data }, bytes: null };
+    const bytes = await toBytes(data);
+    const media = sniffMedia(bytes);
+    if (media === null) throw localError("undecodable_frame", "payload is not JPEG, PNG, WebP, MP4 or WebM");
+    const limit = this.limits && this.limits.max_frame_bytes;
+    if (limit && bytes.length > limit) {
+      throw localError("frame_too_large", `payload is ${bytes.length} bytes; the server's limit is ${limit}`);
+    }
+    if (binary) return { fields: { ...fields, binary: true }, bytes };
+    const field = media === "mp4" || media === "webm" ? "video" : "image";
+    return { fields: { ...fields, [field]: toBase64(bytes) }, bytes: null };
+  }
+
+  _send(event, binaryPayload = null) {
+    this._checkAlive();
+    this._ws.send(JSON.stringify(event));
+    if (binaryPayload !== null) this._ws.send(binaryPayload);
+  }
+
+  _startTurn(fields, binaryPayload, options) {
+    if (this._turn !== null && !this._turn.finished) throw localError("chunk_in_flight", "a chunk is already in flight; wait for its response.done");
+    const eventId = this._newId();
+    const wait = deferred();
+    const turn = {
+      eventId,
+      frameId: fields.frame_id ?? null,
+      ack: null,
+      created: null,
+      done: null,
+      text: "",
+      finished: false,
+      onDelta: options.onDelta || null,
+      promise: wait.promise,
+      resolve: wait.resolve,
+      reject: wait.reject,
+      timer: null,
+    };
+    wait.promise.catch(() => {}); // cancel() and timeouts may leave nobody awaiting it
+    this._turn = turn;
+    const timeoutMs = options.timeoutMs ?? this.timeoutMs;
+    if (timeoutMs) {
+      turn.timer = setTimeout(() => {
+        // Stop the work; the turn stays in flight (busy) until its response.done arrives.
+        this._sendCancel(turn);
+        const err = localError("timeout", `no response.done within ${timeoutMs} ms; the reply was cancelled`);
+        turn.reject(err);
+      }, timeoutMs);
+    }
+    try {
+      this._send({ ...fields, event_id: eventId }, binaryPayload);
+    } catch (err) {
+      this._finishTurn(turn, null, err);
+      throw err;
+    }
+    this.stats.framesSent += 1;
+    return turn.promise;
+  }
+
+  _finishTurn(turn, done, err = null) {
+    if (turn.finished) return;
+    turn.finished = true;
+    if (turn.timer) clearTimeout(turn.timer);
+    if (done) {
+      turn.done = done;
+      this.stats.replies += 1;
+      turn.resolve(done);
+    } else {
+      turn.reject(err);
+    }
+  }
+
+  _sendCancel(turn) {
+    if (turn.finished) return;
+    const eventId = this._newId();
+    this._cancelIds.add(eventId);
+    try {
+      this._send({ type: "response.cancel", event_id: eventId });
+    } catch {
+      // the socket went away: the turn is failed by the close handler
+    }
+  }
+
+  _withTimeout(promise, ms, what) {
+    if (!ms) return promise;
+    let timer;
+    const timeout = new Promise((_, reject) => {
+      timer = setTimeout(() => reject(localError("timeout", `no ${what} within ${ms} ms`)), ms);
+    });
+    return Promise.race([promise, timeout]).finally(() => clearTimeout(timer));
+  }
+
+  _closeSocket() {
+    try {
+      if (this._ws.readyState < WS_CLOSING) this._ws.close(1000);
+    } catch {
+      // already closing
+    }
+  }
+
+  _failPending(err, includeAcked) {
+    if (this._openWait) this._openWait.reject(err);
+    const turn = this._turn;
+    if (turn && !turn.finished && (includeAcked || turn.ack === null)) this._finishTurn(turn, null, err);
+  }
+
+  _onMessage(data) {
+    let event;
+    try {
+      const text = typeof data === "string" ? data : new TextDecoder().decode(data);
+      event = JSON.parse(text);
+    } catch {
+      return; // not for us
+    }
+    if (!event || typeof event.type !== "string") return;
+    const turn = this._turn;
+    const matches = (index) => turn && turn.ack && turn.ack.frame_index === index;
+    switch (event.type) {
+      case "session.created":
+        this.created = event;
+        this._ready.resolve(this);
+        break;
+      case "session.opened":
+        if (this._openWait) this._openWait.resolve(event);
+        break;
+      case "input.ack":
+        if (turn && !turn.finished && turn.ack === null) turn.ack = event;
+        break;
+      case "response.created":
+        if (matches(event.frame_index)) turn.created = event;
+        break;
+      case "response.text.delta":
+        if (matches(event.frame_index)) {
+          turn.text += event.delta;
+          if (turn.onDelta) {
+            try {
+              turn.onDelta(event.delta, turn.text, event);
+            } catch (err) {
+              console.error("vllm-realtime onDelta failed", err);
+            }
+          }
+        }
+        break;
+      case "response.done":
+        if (matches(event.frame_index)) this._finishTurn(turn, event);
+        break;
+      case "session.closed":
+        this.closedEvent = event;
+        this._failPending(this.fatal || localError("session_closed", `the session was closed (${event.reason})`, false), true);
+        break;
+      case "error":
+        this._onError(event);
+        break;
+      default:
+        break; // a newer server's event: ignore
+    }
+    this._emit(event.type, event);
+  }
+
+  _onError(event) {
+    const detail = event.error || {};
+    const err = RealtimeError.fromDetail(detail);
+    this.stats.errors += 1;
+    if (!this.created) {
+      this._ready.reject(err);
+      return;
+    }
+    if (!detail.session_survives) {
+      this.fatal = err; // session.closed follows; an accepted chunk still gets its response.done
+      this._failPending(err, false);
+      return;
+    }
+    if (this._openWait && detail.event_id === this._openWait.eventId) {
+      this._openWait.reject(err);
+      return;
+    }
+    const turn = this._turn;
+    if (turn && !turn.finished && turn.ack === null && detail.event_id === turn.eventId) {
+      this._finishTurn(turn, null, err);
+      return;
+    }
+    if (this._cancelIds.delete(detail.event_id) && detail.code === "no_response_in_flight") return;
+    this.errors.push(err);
+    if (this.errors.length > 64) this.errors.shift();
+  }
+
+  _onClose(event) {
+    const wasEnded = this._ended;
+    this._ended = true;
+    const why = `the connection closed (code ${event && event.code})`;
+    if (!this.created) {
+      const hint = " before session.created; a missing or wrong API key is refused in the handshake";
+      this._ready.reject(localError("connection_failed", why + hint, false));
+    }
+    const err = this.fatal || (this.closedEvent ? localError("session_closed", `the session was closed (${this.closedEvent.reason})`, false) : localError("connection_lost", why, false));
+    this._failPending(err, true);
+    this._closeWait.resolve();
+    if (!wasEnded) this._emit("close", { code: event && event.code, reason: event && event.reason });
+  }
+}
+
+export default RealtimeClient;

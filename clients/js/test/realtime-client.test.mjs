@@ -1,0 +1,402 @@
+// Unit tests of realtime-client.js against a tiny fake WebSocket (node --test).
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import { AUTH_SUBPROTOCOL_PREFIX, RealtimeClient, RealtimeError, SUBPROTOCOL, sniffMedia } from "../realtime-client.js";
+
+const JPEG = new Uint8Array([0xff, 0xd8, 0xff, 0xe0, 1, 2, 3, 4, 0xff, 0xd9]);
+const LIMITS = {
+  max_frame_bytes: 64,
+  max_event_bytes: 1024,
+  max_sessions: 1,
+  idle_timeout_s: 60,
+  max_tokens_cap: 64,
+  server_version: "test",
+  model: "fake",
+  protocol_version: "2026-12-01",
+};
+
+/** A WebSocket double: records what the client sends; the test plays the server. */
+class FakeWebSocket {
+  static last = null;
+  static selected = SUBPROTOCOL;
+
+  constructor(url, protocols) {
+    this.url = url;
+    this.protocols = protocols;
+    this.readyState = 0;
+    this.protocol = "";
+    this.binaryType = "blob";
+    this.sent = [];
+    this.onopen = this.onmessage = this.onerror = this.onclose = null;
+    FakeWebSocket.last = this;
+  }
+
+  send(data) {
+    if (this.readyState !== 1) throw new Error("InvalidStateError: not open");
+    this.sent.push(data);
+    this.onsend?.(data);
+  }
+
+  close(code = 1000) {
+    if (this.readyState >= 2) return;
+    this.readyState = 2;
+    queueMicrotask(() => this.serverClose(code));
+  }
+
+  // -- the server's side
+  accept(protocol = FakeWebSocket.selected) {
+    this.readyState = 1;
+    this.protocol = protocol;
+    this.onopen?.({});
+  }
+
+  emit(event) {
+    this.onmessage?.({ data: JSON.stringify(event) });
+  }
+
+  serverClose(code = 1000) {
+    this.readyState = 3;
+    this.onclose?.({ code, reason: "" });
+  }
+
+  json() {
+    return this.sent.filter((m) => typeof m === "string").map((m) => JSON.parse(m));
+  }
+
+  lastJson() {
+    const all = this.json();
+    return all[all.length - 1];
+  }
+}
+
+const tick = () => new Promise((resolve) => setImmediate(resolve));
+
+async function connected(options = {}) {
+  const pending = RealtimeClient.connect("ws://test/v1/realtime", { WebSocket: FakeWebSocket, ...options });
+  const ws = FakeWebSocket.last;
+  ws.accept();
+  ws.emit({ type: "session.created", event_id: "evt_1", session_id: "sess_1", limits: LIMITS });
+  const client = await pending;
+  return { client, ws };
+}
+
+async function opened(options = {}) {
+  const { client, ws } = await connected(options);
+  const open = client.open({ instructions: "hi", sampling: { max_tokens: 8 } });
+  const sent = ws.lastJson();
+  ws.emit({ type: "session.opened", event_id: "evt_2", session_id: "sess_1", config: { instructions: "hi" }, limits: LIMITS });
+  await open;
+  return { client, ws, openEvent: sent };
+}
+
+let frameIndex = 0;
+/** Answer the last frame.append the way the server does: ack, created, deltas, done. */
+function reply(ws, { deltas = ["a ", "cat"], status = "completed", frameId = null } = {}) {
+  const index = frameIndex++;
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: index, frame_id: frameId, bytes: 10 });
+  ws.emit({ type: "response.created", event_id: "e", frame_index: index, frame_id: frameId });
+  for (const delta of deltas) ws.emit({ type: "response.text.delta", event_id: "e", frame_index: index, delta });
+  ws.emit({
+    type: "response.done",
+    event_id: "e",
+    frame_index: index,
+    frame_id: frameId,
+    status,
+    status_reason: null,
+    text: deltas.join(""),
+    usage: { prompt_tokens: 20, completion_tokens: deltas.length },
+    timing: { queue_ms: 1, ttft_ms: 2, total_ms: 3 },
+    retention: { frames_retained: 1, frames_evicted: 0, tokens_retained: 20, kv_blocks_held: 2, consolidations: 0 },
+    some_future_field: 1,
+  });
+  return index;
+}
+
+test("connect offers vllm-realtime and the auth subprotocol, resolves on session.created", async () => {
+  const { client, ws } = await connected({ apiKey: "k3y" });
+  assert.deepEqual(ws.protocols, [SUBPROTOCOL, AUTH_SUBPROTOCOL_PREFIX + "k3y"]);
+  assert.equal(ws.binaryType, "arraybuffer");
+  assert.equal(client.sessionId, "sess_1");
+  assert.equal(client.limits.max_frame_bytes, 64);
+  assert.equal(client.busy, false);
+});
+
+test("without a key only vllm-realtime is offered", async () => {
+  const { ws } = await connected();
+  assert.deepEqual(ws.protocols, [SUBPROTOCOL]);
+});
+
+test("no WebSocket implementation is a clear TypeError", () => {
+  assert.throws(() => new RealtimeClient("ws://x", { WebSocket: undefined }), /no WebSocket implementation/);
+});
+
+test("a socket closed before session.created rejects connect (handshake refusals look like this)", async () => {
+  const pending = RealtimeClient.connect("ws://test", { WebSocket: FakeWebSocket });
+  FakeWebSocket.last.serverClose(1006);
+  await assert.rejects(pending, (err) => err instanceof RealtimeError && err.code === "connection_failed" && /API key/.test(err.message));
+});
+
+test("a server that selects another subprotocol is refused", async () => {
+  const pending = RealtimeClient.connect("ws://test", { WebSocket: FakeWebSocket });
+  FakeWebSocket.last.accept("something-else");
+  await assert.rejects(pending, (err) => err.code === "connection_failed");
+});
+
+test("open sends session.open with an event_id and resolves with session.opened", async () => {
+  const { client, openEvent } = await opened();
+  assert.equal(openEvent.type, "session.open");
+  assert.equal(openEvent.instructions, "hi");
+  assert.deepEqual(openEvent.sampling, { max_tokens: 8 });
+  assert.match(openEvent.event_id, /^js-\d+$/);
+  assert.equal(client.config.instructions, "hi");
+  await assert.rejects(client.open(), (err) => err.code === "session_already_open" && err.local);
+});
+
+test("open rejects with the server's error matched by event_id (capacity_exceeded)", async () => {
+  const { client, ws } = await connected();
+  const open = client.open();
+  const { event_id } = ws.lastJson();
+  ws.emit({ type: "error", event_id: "e", error: { type: "capacity_error", code: "capacity_exceeded", message: "full", event_id, session_survives: true } });
+  await assert.rejects(open, (err) => err instanceof RealtimeError && err.code === "capacity_exceeded" && err.sessionSurvives && !err.local);
+  assert.equal(client.closed, false);
+});
+
+test("frames before open are refused locally", async () => {
+  const { client, ws } = await connected();
+  await assert.rejects(client.appendFrame(JPEG), (err) => err.code === "session_not_open" && err.local);
+  assert.equal(ws.json().length, 0);
+});
+
+test("appendFrame sends the announcement then the bytes, streams deltas, resolves with response.done", async () => {
+  const { client, ws } = await opened();
+  const deltas = [];
+  const pending = client.appendFrame(JPEG, { prompt: "what?", frameId: "f1", timestamp: 1.5, onDelta: (d, text) => deltas.push([d, text]) });
+  await tick();
+  assert.equal(client.busy, true);
+  const announce = ws.lastJson();
+  assert.deepEqual(
+    { type: announce.type, binary: announce.binary, prompt: announce.prompt, frame_id: announce.frame_id, timestamp: announce.timestamp },
+    { type: "frame.append", binary: true, prompt: "what?", frame_id: "f1", timestamp: 1.5 },
+  );
+  assert.equal("image" in announce, false);
+  const last = ws.sent[ws.sent.length - 1];
+  assert.ok(last instanceof Uint8Array, "the payload is the next (binary) message");
+  assert.deepEqual([...last], [...JPEG]);
+  reply(ws, { frameId: "f1" });
+  const done = await pending;
+  assert.equal(done.type, "response.done");
+  assert.equal(done.text, "a cat");
+  assert.equal(done.retention.kv_blocks_held, 2);
+  assert.deepEqual(deltas, [["a ", "a "], ["cat", "a cat"]]);
+  assert.equal(client.busy, false);
+  assert.equal(client.stats.framesSent, 1);
+  assert.equal(client.stats.replies, 1);
+});
+
+test("one chunk in flight: a second appendFrame is refused locally, nothing is sent", async () => {
+  const { client, ws } = await opened();
+  const first = client.appendFrame(JPEG);
+  await tick();
+  const sentBefore = ws.sent.length;
+  await assert.rejects(client.appendFrame(JPEG), (err) => err.code === "chunk_in_flight" && err.local);
+  assert.equal(ws.sent.length, sentBefore);
+  reply(ws);
+  await first;
+  const second = client.appendFrame(JPEG);
+  await tick();
+  reply(ws);
+  await second;
+});
+
+test("offerFrame paces a live source: drops (and counts) frames while busy, never queues", async () => {
+  const { client, ws } = await opened();
+  let made = 0;
+  const factory = () => {
+    made += 1;
+    return new Blob([JPEG]);
+  };
+  const first = client.offerFrame(factory);
+  assert.equal(client.busy, true, "busy from the moment a frame is being prepared");
+  assert.equal(await client.offerFrame(factory), null);
+  await tick();
+  assert.equal(await client.offerFrame(factory), null);
+  assert.equal(made, 1, "the factory runs only for frames that are sent");
+  assert.equal(client.stats.dropped, 2);
+  assert.equal(ws.json().filter((e) => e.type === "frame.append").length, 1);
+  reply(ws);
+  assert.equal((await first).status, "completed");
+  const again = client.offerFrame(factory);
+  await tick();
+  reply(ws);
+  assert.equal((await again).type, "response.done");
+  assert.equal(made, 2);
+});
+
+test("binary: false sends base64 in the event; clips go in `video`; strings go as `image`", async () => {
+  const { client, ws } = await opened();
+  let pending = client.appendFrame(JPEG.buffer, { binary: false });
+  await tick();
+  assert.equal(ws.lastJson().image, Buffer.from(JPEG).toString("base64"));
+  reply(ws);
+  await pending;
+  const mp4 = new Uint8Array([0, 0, 0, 0x18, 0x66, 0x74, 0x79, 0x70, 1, 2]);
+  pending = client.appendFrame(mp4, { binary: false });
+  await tick();
+  assert.equal(ws.lastJson().video, Buffer.from(mp4).toString("base64"));
+  reply(ws);
+  await pending;
+  pending = client.appendFrame("data:image/jpeg;base64,/9j/AA==");
+  await tick();
+  assert.equal(ws.lastJson().image, "data:image/jpeg;base64,/9j/AA==");
+  reply(ws);
+  await pending;
+});
+
+test("payloads are checked locally: format and size", async () => {
+  const { client, ws } = await opened();
+  const before = ws.sent.length;
+  await assert.rejects(client.appendFrame(new Uint8Array([1, 2, 3, 4])), (err) => err.code === "undecodable_frame" && err.local);
+  const big = new Uint8Array(65);
+  big.set([0xff, 0xd8, 0xff]);
+  await assert.rejects(client.appendFrame(big), (err) => err.code === "frame_too_large");
+  await assert.rejects(client.appendFrame(42), TypeError);
+  assert.equal(ws.sent.length, before);
+  assert.equal(client.busy, false);
+});
+
+test("a refusal before input.ack rejects that frame with the server's code; the session lives", async () => {
+  const { client, ws } = await opened();
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  const { event_id } = ws.json().filter((e) => e.type === "frame.append").pop();
+  ws.emit({ type: "error", event_id: "e", error: { type: "invalid_request_error", code: "undecodable_frame", message: "bad", event_id, session_survives: true } });
+  await assert.rejects(pending, (err) => err.code === "undecodable_frame" && err.eventId === event_id && err.sessionSurvives);
+  assert.equal(client.busy, false);
+  assert.equal(client.closed, false);
+  const next = client.appendFrame(JPEG);
+  await tick();
+  reply(ws);
+  await next;
+});
+
+test("an error answering nothing pending is kept in client.errors", async () => {
+  const { client, ws } = await opened();
+  ws.emit({ type: "error", event_id: "e", error: { type: "invalid_request_error", code: "undecodable_frame", message: "late", event_id: "js-999", session_survives: true } });
+  assert.equal(client.errors.length, 1);
+  assert.equal(client.errors[0].code, "undecodable_frame");
+});
+
+test("a fatal error ends the session; the accepted chunk still gets its response.done", async () => {
+  const { client, ws } = await opened();
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: frameIndex, frame_id: null, bytes: 10 });
+  ws.emit({ type: "error", event_id: "e", error: { type: "server_error", code: "engine_error", message: "boom", event_id: null, session_survives: false } });
+  assert.equal(client.closed, true);
+  assert.equal(client.busy, true, "still waiting for the drained response.done");
+  ws.emit({
+    type: "response.done", event_id: "e", frame_index: frameIndex++, frame_id: null, status: "failed", status_reason: "engine_error",
+    text: "", usage: { prompt_tokens: 0, completion_tokens: 0 }, timing: { queue_ms: null, ttft_ms: null, total_ms: 1 },
+    retention: { frames_retained: 0, frames_evicted: 0, tokens_retained: 0, kv_blocks_held: 0, consolidations: 0 },
+  });
+  assert.equal((await pending).status, "failed");
+  ws.emit({ type: "session.closed", event_id: "e", session_id: "sess_1", reason: "engine_error", frames_total: 1 });
+  ws.serverClose(1000);
+  await assert.rejects(client.appendFrame(JPEG), (err) => err.code === "engine_error" && !err.sessionSurvives);
+  assert.equal(client.closedEvent.reason, "engine_error");
+});
+
+test("a timeout cancels the reply; the client stays busy until its response.done", async () => {
+  const { client, ws } = await opened();
+  const pending = client.appendFrame(JPEG, { timeoutMs: 20 });
+  await assert.rejects(pending, (err) => err.code === "timeout" && err.local);
+  assert.equal(ws.lastJson().type, "response.cancel");
+  assert.equal(client.busy, true);
+  assert.equal(await client.offerFrame(JPEG), null);
+  reply(ws, { status: "cancelled" });
+  assert.equal(client.busy, false);
+});
+
+test("cancel() sends response.cancel and resolves with the cancelled response.done", async () => {
+  const { client, ws } = await opened();
+  assert.equal(await client.cancel(), null);
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  const cancelled = client.cancel();
+  const cancel = ws.lastJson();
+  assert.equal(cancel.type, "response.cancel");
+  reply(ws, { status: "cancelled", deltas: [] });
+  assert.equal((await cancelled).status, "cancelled");
+  assert.equal((await pending).status, "cancelled");
+  // The reply may have finished first: the server's no_response_in_flight is not an error to keep.
+  ws.emit({ type: "error", event_id: "e", error: { type: "invalid_request_error", code: "no_response_in_flight", message: "none", event_id: cancel.event_id, session_survives: true } });
+  assert.equal(client.errors.length, 0);
+});
+
+test("appendText sends a text turn", async () => {
+  const { client, ws } = await opened();
+  const pending = client.appendText("And now?", { prompt: "p" });
+  assert.deepEqual(
+    (({ type, text, prompt }) => ({ type, text, prompt }))(ws.lastJson()),
+    { type: "frame.append", text: "And now?", prompt: "p" },
+  );
+  reply(ws);
+  assert.equal((await pending).text, "a cat");
+});
+
+test("close() sends session.close, resolves with session.closed, closes the socket", async () => {
+  const { client, ws } = await opened();
+  const closing = client.close();
+  const sent = ws.lastJson();
+  assert.equal(sent.type, "session.close");
+  ws.emit({ type: "session.closed", event_id: "e", session_id: "sess_1", reason: "client_closed", frames_total: 0 });
+  ws.serverClose(1000);
+  const closed = await closing;
+  assert.equal(closed.reason, "client_closed");
+  assert.equal(client.closed, true);
+  assert.equal(await client.close(), closed, "twice is harmless");
+  await assert.rejects(client.appendFrame(JPEG), (err) => err.code === "session_closed");
+});
+
+test("close() gives up waiting after timeoutMs and closes the socket itself", async () => {
+  const { client, ws } = await opened();
+  await client.close({ timeoutMs: 10 });
+  assert.equal(ws.readyState, 3);
+});
+
+test("a dropped socket fails the reply in flight with connection_lost", async () => {
+  const { client, ws } = await opened();
+  const seen = [];
+  client.on("close", (info) => seen.push(info.code));
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  ws.serverClose(1006);
+  await assert.rejects(pending, (err) => err.code === "connection_lost");
+  assert.deepEqual(seen, [1006]);
+  assert.equal(client.closed, true);
+});
+
+test("listeners get events by type and all events; unknown event types are ignored", async () => {
+  const seen = [];
+  const { client, ws } = await opened({ onEvent: (e) => seen.push(e.type) });
+  const deltas = [];
+  const off = client.on("response.text.delta", (e) => deltas.push(e.delta));
+  ws.emit({ type: "server.future_event", event_id: "e" });
+  ws.onmessage({ data: "not json" });
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  reply(ws);
+  await pending;
+  off();
+  assert.deepEqual(deltas, ["a ", "cat"]);
+  assert.ok(seen.includes("session.created") && seen.includes("response.done") && seen.includes("server.future_event"));
+});
+
+test("sniffMedia knows the server's formats", () => {
+  assert.equal(sniffMedia(JPEG), "jpeg");
+  assert.equal(sniffMedia(new Uint8Array([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a])), "png");
+  assert.equal(sniffMedia(new TextEncoder().encode("RIFF\0\0\0\0WEBPVP8 ")), "webp");
+  assert.equal(sniffMedia(new Uint8Array([0x1a, 0x45, 0xdf, 0xa3])), "webm");
+  assert.equal(sniffMedia(new Uint8Array([1, 2, 3])), null);
+});

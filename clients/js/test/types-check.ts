@@ -1,0 +1,32 @@
+// Compiled with `tsc -p test/tsconfig.json` (no output): the declarations describe the API.
+import RealtimeClientDefault, {
+  RealtimeClient,
+  RealtimeError,
+  type ResponseDoneEvent,
+  type ServerEvent,
+  sniffMedia,
+} from "../realtime-client.js";
+
+export async function demo(url: string, jpeg: Blob): Promise<number | null> {
+  const client: RealtimeClient = await RealtimeClient.connect(url, { apiKey: "k", timeoutMs: 5000 });
+  const opened = await client.open({ instructions: "hi", retention: { window_chunks: 4 }, sampling: { max_tokens: 8 } });
+  const model: string | null = opened.config.model;
+  const off = client.on("response.text.delta", (event) => console.log(event.delta.length));
+  client.on("event", (event: ServerEvent) => {
+    if (event.type === "response.done") console.log(event.retention.kv_blocks_held);
+  });
+  const done: ResponseDoneEvent = await client.appendFrame(jpeg, {
+    prompt: "what?",
+    onDelta: (delta, text) => console.log(delta, text),
+  });
+  const offered = await client.offerFrame(() => jpeg, { binary: false });
+  off();
+  try {
+    await client.appendText("x");
+  } catch (err) {
+    if (err instanceof RealtimeError && err.code === "chunk_in_flight") console.log(err.sessionSurvives);
+  }
+  const closed = await client.close({ timeoutMs: 100 });
+  console.log(model, closed?.reason, offered?.status, sniffMedia(new Uint8Array(4)), RealtimeClientDefault);
+  return done.timing.total_ms;
+}

@@ -1,0 +1,853 @@
+"""The asyncio client: one WebSocket, one session, one chunk in flight.
+
+::
+
+    async with connect("ws://127.0.0.1:8000/v1/realtime", api_key=key) as session:
+        await session.open(instructions="Describe each frame.", sampling={"max_tokens": 32})
+        done = await session.append_frame(jpeg, prompt="What changed?")
+        print(done.text, done.timing.total_ms)
+
+        async for delta in (stream := session.stream_frame(jpeg2)):
+            print(delta.delta, end="", flush=True)
+        print(stream.done.retention.kv_blocks_held)
+
+One background task reads the socket and routes every server event to the call waiting for it:
+``session.opened`` (or the ``error`` echoing the open's ``event_id``) to :meth:`open`;
+``input.ack`` / ``response.created`` / ``response.text.delta`` / ``response.done`` to the reply
+in flight; ``session.closed`` ends everything.  Every client event carries an ``event_id``, so
+an error is matched to the call that caused it; errors that answer no pending call (e.g. the
+``undecodable_frame`` that follows a ``failed`` reply) are kept in :attr:`RealtimeSession.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import enum
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal, TypeAlias, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.typing import Subprotocol
+
+from protocol.codec import encode_client_event, parse_server_event, sniff_media
+from protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
+from protocol.events import (
+    ErrorEvent,
+    FrameAppendEvent,
+    FrameFormat,
+    InputAckEvent,
+    Limits,
+    Modality,
+    ResponseCancelEvent,
+    ResponseCreatedEvent,
+    ResponseDoneEvent,
+    ResponseTextDeltaEvent,
+    RetentionConfig,
+    SamplingConfig,
+    ServerEvent,
+    SessionClosedEvent,
+    SessionCloseEvent,
+    SessionConfig,
+    SessionCreatedEvent,
+    SessionOpenedEvent,
+    SessionOpenEvent,
+)
+from vllm_realtime_client.errors import (
+    ConnectError,
+    ConnectionLost,
+    FrameTooLarge,
+    InvalidEvent,
+    RealtimeError,
+    ResponseTimeout,
+    SessionAlreadyOpen,
+    SessionClosed,
+    SessionNotOpen,
+    Unauthorized,
+    UndecodableFrame,
+    error_from_detail,
+)
+
+__all__ = ["AuthMethod", "Connector", "RealtimeSession", "ResponseStream", "connect"]
+
+log = logging.getLogger("vllm_realtime_client")
+
+AuthMethod: TypeAlias = Literal["header", "subprotocol"]
+"""How the API key travels: ``Authorization: Bearer`` (default) or the auth subprotocol."""
+
+_MAX_KEPT_ERRORS = 64
+_T = TypeVar("_T")
+
+
+class _Default(enum.Enum):
+    """Sentinel type: "use the session's default timeout"."""
+
+    TOKEN = 0
+
+
+_DEFAULT = _Default.TOKEN
+_Timeout: TypeAlias = "float | _Default | None"
+
+
+def _model(cls: type[BaseModel], value: Any) -> Any:
+    """``value`` as an instance of ``cls`` (a dict is validated), or None."""
+    if value is None or isinstance(value, cls):
+        return value
+    try:
+        return cls.model_validate(dict(value))
+    except ValidationError as exc:
+        raise InvalidEvent(f"{cls.__name__}: {_first_error(exc)}") from None
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False, include_input=False)[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    return f"{loc}: {first['msg']}" if loc else str(first["msg"])
+
+
+@dataclass
+class _Payload:
+    """What one frame.append carries, ready to send."""
+
+    event: FrameAppendEvent
+    binary: bytes | None = None
+
+
+class _Turn:
+    """Book-keeping of the one chunk in flight."""
+
+    def __init__(self, event_id: str, frame_id: str | None) -> None:
+        self.event_id = event_id
+        self.frame_id = frame_id
+        self.events: asyncio.Queue[ServerEvent | BaseException] = asyncio.Queue()
+        self.finished = asyncio.Event()
+        self.ack: InputAckEvent | None = None
+        self.created: ResponseCreatedEvent | None = None
+        self.done: ResponseDoneEvent | None = None
+        self.error: BaseException | None = None
+
+    def matches(self, frame_index: int) -> bool:
+        return self.ack is not None and self.ack.frame_index == frame_index
+
+    def finish(self, done: ResponseDoneEvent) -> None:
+        self.done = done
+        self.events.put_nowait(done)
+        self.finished.set()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.finished.is_set():
+            return
+        self.error = exc
+        self.events.put_nowait(exc)
+        self.finished.set()
+
+
+class ResponseStream:
+    """The reply to one chunk as it streams: an async iterator of its text deltas.
+
+    The chunk is sent when iteration starts (so nothing is sent if the stream is never
+    iterated).  Iteration yields each :class:`~protocol.events.ResponseTextDeltaEvent` and
+    ends at ``response.done``, which is then in :attr:`done`; it raises the typed error if the
+    chunk was refused (:class:`~protocol.errors.ChunkInFlight`,
+    :class:`~protocol.errors.UndecodableFrame`, …), :class:`ResponseTimeout` if the reply took
+    longer than ``timeout`` (the reply is then cancelled), or the session's fatal error.
+
+    Leaving the loop early does **not** cancel the reply (call :meth:`RealtimeSession.cancel`);
+    the next chunk waits for its ``response.done``.
+    """
+
+    def __init__(self, session: RealtimeSession, payload: _Payload, timeout: float | None):
+        self._session = session
+        self._payload = payload
+        self._timeout = timeout
+        self._turn: _Turn | None = None
+        self._deadline: float | None = None
+        self._over = False
+        self._error: BaseException | None = None
+        self._parts: list[str] = []
+
+    @property
+    def ack(self) -> InputAckEvent | None:
+        """The ``input.ack`` (the chunk's ``frame_index``), once it arrived."""
+        return None if self._turn is None else self._turn.ack
+
+    @property
+    def created(self) -> ResponseCreatedEvent | None:
+        """The ``response.created``, once it arrived."""
+        return None if self._turn is None else self._turn.created
+
+    @property
+    def done(self) -> ResponseDoneEvent | None:
+        """The ``response.done``, once iteration has ended."""
+        return None if self._turn is None else self._turn.done
+
+    @property
+    def text(self) -> str:
+        """The reply's text streamed so far."""
+        return "".join(self._parts)
+
+    def __aiter__(self) -> ResponseStream:
+        return self
+
+    async def __anext__(self) -> ResponseTextDeltaEvent:
+        if self._over:
+            raise StopAsyncIteration
+        if self._turn is None:
+            self._turn, self._deadline = await self._session._start_turn(
+                self._payload, self._timeout
+            )
+        while True:
+            try:
+                item = await self._session._next_item(self._turn, self._deadline)
+            except BaseException as exc:
+                self._over = True
+                if isinstance(exc, Exception):
+                    self._error = exc
+                raise
+            if isinstance(item, BaseException):
+                self._over = True
+                self._error = item
+                raise item
+            if isinstance(item, ResponseTextDeltaEvent):
+                self._parts.append(item.delta)
+                return item
+            if isinstance(item, ResponseDoneEvent):
+                self._over = True
+                raise StopAsyncIteration
+
+    async def result(self) -> ResponseDoneEvent:
+        """Consume the rest of the stream and return its ``response.done``."""
+        async for _ in self:
+            pass
+        if self._error is not None:
+            raise self._error
+        done = self.done
+        if done is None:  # iteration ended by an error raised earlier
+            raise SessionClosed("the reply ended without a response.done")
+        return done
+
+
+class RealtimeSession:
+    """A connection to ``/v1/realtime`` and its one session.  Made by :func:`connect`.
+
+    Calls are coroutines; concurrent ``append_*`` calls are sent one at a time, each after the
+    previous reply's ``response.done`` (the protocol allows one chunk in flight).  A live
+    source should not queue frames here: check :attr:`busy` and drop frames instead.
+    """
+
+    def __init__(
+        self,
+        ws: ClientConnection,
+        created: SessionCreatedEvent,
+        *,
+        timeout: float | None,
+        close_timeout: float,
+        on_event: Callable[[ServerEvent], None] | None,
+    ) -> None:
+        self._ws = ws
+        self._created = created
+        self._opened: SessionOpenedEvent | None = None
+        self._closed: SessionClosedEvent | None = None
+        self._fatal: BaseException | None = None
+        self._timeout = timeout
+        self._close_timeout = close_timeout
+        self._on_event = on_event
+        self._ids = itertools.count(1)
+        self._send_lock = asyncio.Lock()
+        self._turn_lock = asyncio.Lock()
+        self._turn: _Turn | None = None
+        self._open_wait: tuple[str, asyncio.Future[SessionOpenedEvent]] | None = None
+        self._cancel_ids: set[str] = set()
+        self._ended = asyncio.Event()
+        self._background: set[asyncio.Task[Any]] = set()
+        self.errors: deque[RealtimeError] = deque(maxlen=_MAX_KEPT_ERRORS)
+        """Surviving ``error`` events that answered no pending call (newest last)."""
+        self._reader = asyncio.create_task(self._read_loop(), name="vllm-realtime-reader")
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def session_id(self) -> str:
+        """The session's id (from ``session.created``)."""
+        return self._created.session_id
+
+    @property
+    def created(self) -> SessionCreatedEvent:
+        """The server's greeting."""
+        return self._created
+
+    @property
+    def opened(self) -> SessionOpenedEvent | None:
+        """The ``session.opened`` answer, once :meth:`open` succeeded."""
+        return self._opened
+
+    @property
+    def config(self) -> SessionConfig | None:
+        """The effective session settings (defaults filled, caps applied), once open."""
+        return None if self._opened is None else self._opened.config
+
+    @property
+    def limits(self) -> Limits:
+        """What the server allows (frame size, idle timeout, max_tokens cap, model)."""
+        return self._opened.limits if self._opened is not None else self._created.limits
+
+    @property
+    def busy(self) -> bool:
+        """True while a chunk is in flight (sent, its ``response.done`` not yet received)."""
+        return self._turn is not None and not self._turn.finished.is_set()
+
+    @property
+    def closed(self) -> SessionClosedEvent | None:
+        """The ``session.closed`` event, once the session ended."""
+        return self._closed
+
+    @property
+    def is_closed(self) -> bool:
+        """True once the session ended (closed by either side, or the socket went away)."""
+        return self._ended.is_set() or self._fatal is not None
+
+    # ------------------------------------------------------------------ calls
+
+    async def open(
+        self,
+        config: SessionConfig | Mapping[str, Any] | None = None,
+        *,
+        instructions: str | None = None,
+        modality: Modality | None = None,
+        retention: RetentionConfig | Mapping[str, Any] | None = None,
+        sampling: SamplingConfig | Mapping[str, Any] | None = None,
+        frame_format: FrameFormat | None = None,
+        model: str | None = None,
+        timeout: _Timeout = _DEFAULT,
+    ) -> SessionOpenedEvent:
+        """Send ``session.open`` and return the server's ``session.opened``.
+
+        ``config`` gives all settings at once; keyword arguments override its fields
+        (``retention`` and ``sampling`` may be dicts, e.g. ``{"window_chunks": 4}``).
+        Raises :class:`~protocol.errors.CapacityExceeded` when the server is full (the
+        connection stays usable: call ``open`` again later), or
+        :class:`~protocol.errors.InvalidEvent` for settings the server refuses.
+        """
+        self._check_alive()
+        if self._opened is not None or self._open_wait is not None:
+            raise SessionAlreadyOpen("open() was already called on this session")
+        fields: dict[str, Any] = {}
+        base = _model(SessionConfig, config)
+        if base is not None:
+            fields.update({name: getattr(base, name) for name in SessionConfig.model_fields})
+        overrides = {
+            "instructions": instructions,
+            "modality": modality,
+            "retention": _model(RetentionConfig, retention),
+            "sampling": _model(SamplingConfig, sampling),
+            "frame_format": frame_format,
+            "model": model,
+        }
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        event_id = self._new_id()
+        try:
+            event = SessionOpenEvent(event_id=event_id, **fields)
+        except ValidationError as exc:
+            raise InvalidEvent(f"session.open: {_first_error(exc)}") from None
+        future: asyncio.Future[SessionOpenedEvent] = asyncio.get_running_loop().create_future()
+        self._open_wait = (event_id, future)
+        try:
+            await self._send(encode_client_event(event))
+            opened = await self._wait(future, self._resolve_timeout(timeout), "session.opened")
+        finally:
+            self._open_wait = None
+        self._opened = opened
+        return opened
+
+    def stream_frame(
+        self,
+        data: bytes,
+        *,
+        prompt: str | None = None,
+        frame_id: str | None = None,
+        timestamp: float | None = None,
+        binary: bool = True,
+        timeout: _Timeout = _DEFAULT,
+    ) -> ResponseStream:
+        """Send one image (JPEG/PNG/WebP) or clip (MP4/WebM) and stream its reply.
+
+        ``binary=True`` (default) sends the bytes as a binary WebSocket message after a
+        ``frame.append`` with ``"binary": true``; ``binary=False`` sends base64 inside the JSON.
+        Size and format are checked here first (:class:`~protocol.errors.FrameTooLarge`,
+        :class:`~protocol.errors.UndecodableFrame`), without a round trip.
+        """
+        media = sniff_media(data)
+        if media is None:
+            raise UndecodableFrame("payload is not JPEG, PNG, WebP, MP4 or WebM")
+        limit = self.limits.max_frame_bytes
+        if len(data) > limit:
+            raise FrameTooLarge(f"payload is {len(data)} bytes; the server's limit is {limit}")
+        common = {"prompt": prompt, "frame_id": frame_id, "timestamp": timestamp}
+        if binary:
+            payload = _Payload(self._frame_event(binary=True, **common), data)
+        else:
+            field = "video" if media in ("mp4", "webm") else "image"
+            encoded = base64.b64encode(data).decode("ascii")
+            payload = _Payload(self._frame_event(**{field: encoded}, **common))
+        return ResponseStream(self, payload, self._resolve_timeout(timeout))
+
+    async def append_frame(
+        self,
+        data: bytes,
+        *,
+        prompt: str | None = None,
+        frame_id: str | None = None,
+        timestamp: float | None = None,
+        binary: bool = True,
+        timeout: _Timeout = _DEFAULT,
+    ) -> ResponseDoneEvent:
+        """Send one image or clip and return its ``response.done`` (see :meth:`stream_frame`).
+
+        A reply that ended badly is still returned: check ``done.status`` (``completed``,
+        ``incomplete``, ``cancelled``, ``failed``).
+        """
+        stream = self.stream_frame(
+            data,
+            prompt=prompt,
+            frame_id=frame_id,
+            timestamp=timestamp,
+            binary=binary,
+            timeout=timeout,
+        )
+        return await stream.result()
+
+    def stream_text(
+        self,
+        text: str,
+        *,
+        prompt: str | None = None,
+        frame_id: str | None = None,
+        timestamp: float | None = None,
+        timeout: _Timeout = _DEFAULT,
+    ) -> ResponseStream:
+        """Send one text turn (``"text"`` sessions) and stream its reply."""
+        event = self._frame_event(text=text, prompt=prompt, frame_id=frame_id, timestamp=timestamp)
+        return ResponseStream(self, _Payload(event), self._resolve_timeout(timeout))
+
+    async def append_text(
+        self,
+        text: str,
+        *,
+        prompt: str | None = None,
+        frame_id: str | None = None,
+        timestamp: float | None = None,
+        timeout: _Timeout = _DEFAULT,
+    ) -> ResponseDoneEvent:
+        """Send one text turn and return its ``response.done``."""
+        stream = self.stream_text(
+            text, prompt=prompt, frame_id=frame_id, timestamp=timestamp, timeout=timeout
+        )
+        return await stream.result()
+
+    async def cancel(self, *, timeout: _Timeout = _DEFAULT) -> ResponseDoneEvent | None:
+        """Cancel the reply in flight and return its ``response.done`` (None if none was in
+        flight).  Its status is ``cancelled``, or ``completed`` if it finished first."""
+        turn = self._turn
+        if turn is None or turn.finished.is_set():
+            return None
+        await self._send_cancel(turn)
+        try:
+            await asyncio.wait_for(turn.finished.wait(), self._resolve_timeout(timeout))
+        except asyncio.TimeoutError:
+            raise ResponseTimeout("no response.done after response.cancel") from None
+        if turn.error is not None:
+            raise turn.error
+        return turn.done
+
+    async def close(self, *, timeout: float | None = None) -> SessionClosedEvent | None:
+        """End the session: send ``session.close``, wait for ``session.closed``, close the socket.
+
+        A reply in flight is cancelled by the server (its ``response.done`` still arrives).
+        Safe to call twice, and after the server closed; never raises for a socket that is
+        already gone.  Returns the ``session.closed`` event if one arrived.
+        """
+        wait = self._close_timeout if timeout is None else timeout
+        try:
+            if not self._ended.is_set() and self._fatal is None:
+                with contextlib.suppress(ConnectionLost, SessionClosed):
+                    await self._send(
+                        encode_client_event(SessionCloseEvent(event_id=self._new_id()))
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._ended.wait(), wait)
+        finally:
+            await self._shutdown(wait)
+        return self._closed
+
+    async def __aenter__(self) -> RealtimeSession:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _new_id(self) -> str:
+        return f"sdk-{next(self._ids)}"
+
+    def _resolve_timeout(self, timeout: _Timeout) -> float | None:
+        if isinstance(timeout, _Default):
+            return self._timeout
+        return timeout
+
+    def _frame_event(self, **fields: Any) -> FrameAppendEvent:
+        try:
+            return FrameAppendEvent(**fields)
+        except ValidationError as exc:
+            raise InvalidEvent(f"frame.append: {_first_error(exc)}") from None
+
+    def _check_alive(self) -> None:
+        if self._closed is not None:
+            raise SessionClosed(f"the session is closed ({self._closed.reason})") from self._fatal
+        if self._fatal is not None:
+            if isinstance(self._fatal, (RealtimeError, ConnectionLost)):
+                raise self._fatal
+            raise ConnectionLost(str(self._fatal)) from self._fatal
+        if self._ended.is_set():
+            raise ConnectionLost("the connection is closed")
+
+    async def _send(self, *messages: str | bytes) -> None:
+        """Send messages back to back (an announcement and its binary payload stay together)."""
+        self._check_alive()
+        async with self._send_lock:
+            try:
+                for message in messages:
+                    await self._ws.send(message)
+            except ConnectionClosed as exc:
+                raise ConnectionLost(f"the connection closed while sending: {exc}") from None
+
+    async def _wait(self, future: asyncio.Future[_T], timeout: float | None, what: str) -> _T:
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            raise ResponseTimeout(f"no {what} within {timeout} s") from None
+
+    async def _start_turn(
+        self, payload: _Payload, timeout: float | None
+    ) -> tuple[_Turn, float | None]:
+        """Send one chunk once the previous reply is done; return its turn and deadline."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        self._check_alive()
+        if self._opened is None:
+            raise SessionNotOpen("call open() before sending chunks")
+        async with self._turn_lock:
+            previous = self._turn
+            if previous is not None and not previous.finished.is_set():
+                remaining = None if deadline is None else max(deadline - loop.time(), 0)
+                try:
+                    await asyncio.wait_for(previous.finished.wait(), remaining)
+                except asyncio.TimeoutError:
+                    raise ResponseTimeout(
+                        f"the previous reply was still in flight after {timeout} s"
+                    ) from None
+            self._check_alive()
+            event = payload.event.model_copy(update={"event_id": self._new_id()})
+            assert event.event_id is not None
+            turn = _Turn(event.event_id, event.frame_id)
+            self._turn = turn
+            messages: list[str | bytes] = [encode_client_event(event)]
+            if payload.binary is not None:
+                messages.append(payload.binary)
+            try:
+                await self._send(*messages)
+            except BaseException as exc:
+                turn.fail(exc if isinstance(exc, Exception) else ConnectionLost("send aborted"))
+                raise
+        return turn, deadline
+
+    async def _next_item(self, turn: _Turn, deadline: float | None) -> ServerEvent | BaseException:
+        loop = asyncio.get_running_loop()
+        remaining = None if deadline is None else max(deadline - loop.time(), 0)
+        try:
+            return await asyncio.wait_for(turn.events.get(), remaining)
+        except asyncio.TimeoutError:
+            self._spawn(self._send_cancel(turn))
+            raise ResponseTimeout("the reply did not finish in time; it was cancelled") from None
+        except asyncio.CancelledError:
+            # The caller gave up: stop the engine work, keep the session usable.
+            if not turn.finished.is_set():
+                self._spawn(self._send_cancel(turn))
+            raise
+
+    async def _send_cancel(self, turn: _Turn) -> None:
+        if turn.finished.is_set():
+            return
+        event_id = self._new_id()
+        self._cancel_ids.add(event_id)
+        with contextlib.suppress(ConnectionLost, SessionClosed, RealtimeError):
+            await self._send(encode_client_event(ResponseCancelEvent(event_id=event_id)))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _shutdown(self, wait: float) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._ws.close(), wait)
+        if not self._reader.done():
+            self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._reader
+        for task in list(self._background):
+            task.cancel()
+        self._end(ConnectionLost("the session was closed by the client"))
+
+    # ------------------------------------------------------------------ the reader
+
+    async def _read_loop(self) -> None:
+        reason = "the server closed the connection without session.closed"
+        try:
+            async for message in self._ws:
+                if isinstance(message, bytes):
+                    log.debug("ignoring a binary message from the server")
+                    continue
+                try:
+                    event = parse_server_event(message)
+                except ValidationError:
+                    log.debug("ignoring a server message this client does not know")
+                    continue
+                self._dispatch(event)
+        except ConnectionClosed as exc:
+            reason = f"the connection broke: {exc}"
+        finally:
+            self._end(ConnectionLost(reason))
+
+    def _end(self, exc: BaseException) -> None:
+        """The socket is gone: fail whatever still waits."""
+        if self._ended.is_set():
+            return
+        if self._closed is None and self._fatal is None:
+            self._fatal = exc
+        self._fail_pending(self._fatal or exc, include_acked=True)
+        self._ended.set()
+
+    def _fail_pending(self, exc: BaseException, *, include_acked: bool) -> None:
+        if self._open_wait is not None and not self._open_wait[1].done():
+            self._open_wait[1].set_exception(exc)
+        turn = self._turn
+        if turn is not None and (include_acked or turn.ack is None):
+            turn.fail(exc)
+
+    def _dispatch(self, event: ServerEvent) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(event)
+            except Exception:
+                log.exception("on_event callback failed")
+        turn = self._turn
+        if isinstance(event, InputAckEvent):
+            if turn is not None and turn.ack is None and not turn.finished.is_set():
+                turn.ack = event
+                turn.events.put_nowait(event)
+        elif isinstance(event, ResponseCreatedEvent):
+            if turn is not None and turn.matches(event.frame_index):
+                turn.created = event
+                turn.events.put_nowait(event)
+        elif isinstance(event, ResponseTextDeltaEvent):
+            if turn is not None and turn.matches(event.frame_index):
+                turn.events.put_nowait(event)
+        elif isinstance(event, ResponseDoneEvent):
+            if turn is not None and turn.matches(event.frame_index):
+                turn.finish(event)
+        elif isinstance(event, SessionOpenedEvent):
+            if self._open_wait is not None and not self._open_wait[1].done():
+                self._open_wait[1].set_result(event)
+        elif isinstance(event, SessionClosedEvent):
+            self._closed = event
+            exc = self._fatal or SessionClosed(f"the session was closed ({event.reason})")
+            self._fail_pending(exc, include_acked=True)
+        elif isinstance(event, ErrorEvent):
+            self._on_error(event)
+
+    def _on_error(self, event: ErrorEvent) -> None:
+        detail = event.error
+        exc = error_from_detail(detail)
+        if not detail.session_survives:
+            # session.closed follows; an accepted chunk still gets its response.done first.
+            self._fatal = exc
+            self._fail_pending(exc, include_acked=False)
+            return
+        if self._open_wait is not None and detail.event_id == self._open_wait[0]:
+            if not self._open_wait[1].done():
+                self._open_wait[1].set_exception(exc)
+            return
+        turn = self._turn
+        if (
+            turn is not None
+            and detail.event_id == turn.event_id
+            and turn.ack is None
+            and not turn.finished.is_set()
+        ):
+            turn.fail(exc)
+            return
+        if detail.event_id in self._cancel_ids:
+            self._cancel_ids.discard(detail.event_id)
+            if detail.code == "no_response_in_flight":  # the reply finished first
+                return
+        log.info("server error answering no pending call: %s", exc)
+        self.errors.append(exc)
+
+
+# ---------------------------------------------------------------------- connect
+
+
+class Connector:
+    """What :func:`connect` returns: await it, or use it as ``async with``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None,
+        auth: AuthMethod,
+        config: SessionConfig | Mapping[str, Any] | None,
+        open_timeout: float,
+        timeout: float | None,
+        close_timeout: float,
+        on_event: Callable[[ServerEvent], None] | None,
+    ) -> None:
+        if auth not in ("header", "subprotocol"):
+            raise ValueError(f"auth must be 'header' or 'subprotocol', not {auth!r}")
+        self.url = url
+        self.api_key = api_key
+        self.auth = auth
+        self.config = config
+        self.open_timeout = open_timeout
+        self.timeout = timeout
+        self.close_timeout = close_timeout
+        self.on_event = on_event
+        self._session: RealtimeSession | None = None
+
+    def __await__(self) -> Generator[Any, None, RealtimeSession]:
+        return self._connect().__await__()
+
+    async def __aenter__(self) -> RealtimeSession:
+        self._session = await self._connect()
+        return self._session
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _connect(self) -> RealtimeSession:
+        subprotocols = [Subprotocol(SUBPROTOCOL)]
+        headers: dict[str, str] = {}
+        if self.api_key:
+            if self.auth == "header":
+                headers["Authorization"] = f"Bearer {self.api_key}"
+            else:
+                subprotocols.append(Subprotocol(AUTH_SUBPROTOCOL_PREFIX + self.api_key))
+        try:
+            ws = await ws_connect(
+                self.url,
+                subprotocols=subprotocols,
+                additional_headers=headers or None,
+                open_timeout=self.open_timeout,
+                close_timeout=self.close_timeout,
+                compression=None,  # JPEG does not deflate; don't spend CPU trying
+                max_size=16 * 1024 * 1024,
+            )
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if status in (401, 403):
+                raise Unauthorized(
+                    f"the server refused the handshake (HTTP {status}): missing or wrong API key"
+                ) from None
+            raise ConnectError(f"the server refused the handshake (HTTP {status})") from None
+        except (OSError, InvalidHandshake, asyncio.TimeoutError) as exc:
+            raise ConnectError(f"cannot connect to {self.url}: {exc!r}") from exc
+        try:
+            if ws.subprotocol != SUBPROTOCOL:
+                raise ConnectError(f"the server did not select the {SUBPROTOCOL!r} subprotocol")
+            try:
+                raw = await asyncio.wait_for(ws.recv(), self.open_timeout)
+                greeting = parse_server_event(raw)
+            except (ConnectionClosed, asyncio.TimeoutError, ValidationError) as exc:
+                raise ConnectError(f"no session.created from the server: {exc!r}") from None
+            if isinstance(greeting, ErrorEvent):
+                raise error_from_detail(greeting.error)
+            if not isinstance(greeting, SessionCreatedEvent):
+                raise ConnectError(f"expected session.created, got {greeting.type}")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(ws.close(), self.close_timeout)
+            raise
+        session = RealtimeSession(
+            ws,
+            greeting,
+            timeout=self.timeout,
+            close_timeout=self.close_timeout,
+            on_event=self.on_event,
+        )
+        if self.config is not None:
+            try:
+                await session.open(self.config)
+            except BaseException:
+                await session.close()
+                raise
+        return session
+
+
+def connect(
+    url: str,
+    *,
+    api_key: str | None = None,
+    auth: AuthMethod = "header",
+    config: SessionConfig | Mapping[str, Any] | None = None,
+    open_timeout: float = 10.0,
+    timeout: float | None = 60.0,
+    close_timeout: float = 5.0,
+    on_event: Callable[[ServerEvent], None] | None = None,
+) -> Connector:
+    """Connect to a vllm-realtime server; ``await`` it or use ``async with``.
+
+    :param url: the WebSocket endpoint, e.g. ``ws://127.0.0.1:8000/v1/realtime``.
+    :param api_key: the server's API key, if it has one.  A wrong key raises
+        :class:`~protocol.errors.Unauthorized`.
+    :param auth: ``"header"`` sends ``Authorization: Bearer``; ``"subprotocol"`` sends the
+        ``vllm-realtime.auth.<key>`` subprotocol (what browsers must do).
+    :param config: if given, the session is opened with it before ``connect`` returns
+        (otherwise call :meth:`RealtimeSession.open`).
+    :param open_timeout: seconds for the handshake and the greeting.
+    :param timeout: default seconds per call (a whole reply, from send to ``response.done``);
+        None waits forever.  Each call takes its own ``timeout=`` too.
+    :param close_timeout: seconds :meth:`RealtimeSession.close` waits for ``session.closed``.
+    :param on_event: called with every server event, in order (for logging or UIs); it must
+        not block.
+    """
+    return Connector(
+        url,
+        api_key=api_key,
+        auth=auth,
+        config=config,
+        open_timeout=open_timeout,
+        timeout=timeout,
+        close_timeout=close_timeout,
+        on_event=on_event,
+    )

@@ -1,0 +1,54 @@
+"""Client tests: the SDK importable from the checkout, and one real server (with an API key).
+
+The server runs on the shared `vlm_engine` (tests/conftest.py): no extra engine is started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SDK_DIR = ROOT / "clients" / "python"
+JS_DIR = ROOT / "clients" / "js"
+WEBCAM = ROOT / "clients" / "webcam" / "webcam.py"
+ARTIFACTS = ROOT / "artifacts"
+# Appended, not prepended: `protocol` keeps resolving to the repository's own package (the SDK
+# ships it through a symlink, clients/python/protocol -> ../../protocol).
+if str(SDK_DIR) not in sys.path:
+    sys.path.append(str(SDK_DIR))
+
+from tests.realtime.conftest import RunningServer, _serve  # noqa: E402
+
+CLIENT_KEY = "client-test-key"
+
+
+@pytest.fixture(scope="session")
+async def client_server(vlm_engine: object) -> AsyncIterator[RunningServer]:
+    """The real uvicorn app on the tiny VLM, requiring CLIENT_KEY."""
+    async for s in _serve(
+        vlm_engine, CLIENT_KEY, max_sessions=4, idle_timeout_s=30.0, max_frame_bytes=1 << 20
+    ):
+        yield s
+
+
+def need(ok: bool, what: str) -> None:
+    """Skip when a tool is missing, saying how to get it; in CI (.ci/run installs them) fail."""
+    if ok:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} (CI installs it in .ci/run)")
+    pytest.skip(what)
+
+
+def need_tool(name: str, install: str) -> str:
+    """The path of an executable, or skip (fail in CI) saying how to install it."""
+    path = shutil.which(name)
+    need(path is not None, f"{name} is not installed: {install}")
+    assert path is not None
+    return path
