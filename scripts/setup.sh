@@ -6,6 +6,18 @@ VENV="${VENV:-.venv}"
 PY="${PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
 
+# System tools the test suite drives: Debian's chromium (the demo page's browser test; no
+# browser is downloaded) and ffmpeg (the webcam script). Installed once, where apt-get and root
+# are available; elsewhere those tests skip and say why.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v ffmpeg >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg
+  else
+    echo "setup: chromium/ffmpeg missing and apt-get unavailable; browser/webcam tests will skip"
+  fi
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
@@ -50,7 +62,7 @@ AutoProcessor.from_pretrained(str(model_dir("tiny-qwen2-vl")))
 print("setup: Qwen2-VL processor builds")
 PY
 # Client tests: playwright-core and typescript for clients/js (the browser test drives Debian's
-# chromium; .ci/run installs it and ffmpeg). Without npm those tests skip.
+# chromium, installed above). Without npm those tests skip.
 if command -v npm >/dev/null 2>&1 && [ ! -d clients/js/node_modules/playwright-core ]; then
   (cd clients/js && npm ci --no-audit --no-fund --loglevel=error) \
     || echo "setup: npm ci in clients/js failed; the browser test will skip"
