@@ -104,10 +104,6 @@ def build_engine_args(settings: EngineSettings) -> Any:
     return args
 
 
-def is_multimodal_model(engine: AsyncLLM) -> bool:
-    return bool(engine.model_config.is_multimodal_model)
-
-
 def start_engine(settings: EngineSettings) -> AsyncLLM:
     """Start AsyncLLM (EngineCore runs in its own process)."""
     prepare_process_env()

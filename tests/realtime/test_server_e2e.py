@@ -240,22 +240,29 @@ async def test_api_key_enforced(keyed_server: RunningServer) -> None:
         assert (await client.get("/metrics", headers=headers)).status_code == 200
 
 
-async def test_capacity_refused_at_open(server: RunningServer) -> None:
-    hub = server.hub
-    per_session = hub.reservation_blocks(None)
-    fits = hub.usable_blocks // per_session
+async def _fill_until_refused(
+    server: RunningServer, admitted: int
+) -> tuple[list[Any], dict[str, Any]]:
     sockets = []
+    for _ in range(admitted):
+        ws = await websockets.connect(server.url, subprotocols=SUBPROTOCOLS)
+        sockets.append(ws)
+        await open_session(ws)
+    extra = await websockets.connect(server.url, subprotocols=SUBPROTOCOLS)
+    sockets.append(extra)
+    await recv(extra)
+    await extra.send(json.dumps({"type": "session.open", "event_id": "x"}))
+    return sockets, await recv(extra)
+
+
+async def test_session_count_limit_refused_at_open(server: RunningServer) -> None:
+    hub = server.hub
+    # This server's max_sessions (8) binds before its KV pool does.
+    assert hub.usable_blocks // hub.reservation_blocks(None) > hub.config.max_sessions
+    sockets, err = await _fill_until_refused(server, hub.config.max_sessions)
     try:
-        for _ in range(min(fits, hub.config.max_sessions)):
-            ws = await websockets.connect(server.url, subprotocols=SUBPROTOCOLS)
-            sockets.append(ws)
-            await open_session(ws)
-        extra = await websockets.connect(server.url, subprotocols=SUBPROTOCOLS)
-        sockets.append(extra)
-        await recv(extra)
-        await extra.send(json.dumps({"type": "session.open", "event_id": "x"}))
-        err = await recv(extra)
         assert err["type"] == "error" and err["error"]["code"] == "capacity_exceeded"
+        assert "at most" in err["error"]["message"]
         # The admitted ones keep answering.
         await sockets[0].send(image_event(1))
         done, _ = await recv_until(sockets[0], "response.done")
@@ -263,6 +270,26 @@ async def test_capacity_refused_at_open(server: RunningServer) -> None:
     finally:
         for ws in sockets:
             await ws.close()
+
+
+async def test_kv_admission_refuses_what_the_pool_cannot_hold(vlm_engine: Any) -> None:
+    from tests.realtime.conftest import _serve
+
+    # No session-count limit in the way: only the KV reservation can refuse.
+    async for big in _serve(vlm_engine, None, max_sessions=10_000):
+        hub = big.hub
+        fits = hub.usable_blocks // hub.reservation_blocks(None)
+        sockets, err = await _fill_until_refused(big, fits)
+        try:
+            assert err["type"] == "error" and err["error"]["code"] == "capacity_exceeded"
+            assert "KV cache" in err["error"]["message"]
+            assert len(hub.sessions) == fits
+            await sockets[0].send(image_event(1))
+            done, _ = await recv_until(sockets[0], "response.done")
+            assert done["status"] in ("completed", "incomplete")
+        finally:
+            for ws in sockets:
+                await ws.close()
 
 
 async def test_metrics_exposed(server: RunningServer) -> None:
