@@ -1,9 +1,10 @@
 """`BoundedSessionScheduler`: RetentionScheduler (streaming hardening) + bounded sessions.
 
 The engine's scheduler class (`scheduler_cls`, see realtime/engine.py). The mechanics of
-eviction, positions and consolidation are in `eviction.py`; this class only routes vLLM's
-scheduler events to it: a new resumable request, a chunk fold, a request freed. Requests that
-did not ask for retention pass straight through (one dict lookup per event).
+eviction, positions and consolidation are in `eviction.py` (and `mrope.py` for the worker's
+3-D positions of mRoPE models); this class only routes vLLM's scheduler events to it: a new
+resumable request, a chunk fold, a step's scheduled encoder inputs, a request freed. Requests
+that did not ask for retention pass straight through (one dict lookup per event).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def _model_max_position(vllm_config: Any) -> int:
     return int(trained) if trained else int(model_config.max_model_len)
 
 
+def _multimodal_pruning(vllm_config: Any) -> bool:
+    mm_config = vllm_config.model_config.multimodal_config
+    return bool(mm_config is not None and mm_config.is_multimodal_pruning_enabled())
+
+
 class BoundedSessionScheduler(RetentionScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -43,13 +49,19 @@ class BoundedSessionScheduler(RetentionScheduler):
             self._unsupported = "async scheduling (a chunk must be folded only when complete)"
         elif self.vllm_config.parallel_config.pipeline_parallel_size > 1:
             self._unsupported = "pipeline parallelism"
-        elif self.vllm_config.model_config.uses_mrope:
-            # The worker rebuilds mRoPE positions from the compacted prompt at every fold;
-            # per-token position slicing for mRoPE is not implemented yet (video sessions).
-            self._unsupported = "retention for mRoPE (multimodal) models is not implemented yet"
+        elif getattr(self, "use_v2_model_runner", False):
+            # positions.py and mrope.py patch the V1 model runner (GPUModelRunner) only.
+            self._unsupported = "the V2 model runner (the position patches target V1)"
+        elif _multimodal_pruning(self.vllm_config):
+            self._unsupported = "multimodal pruning (EVS recomputes mRoPE positions at every step)"
+        self._uses_mrope = bool(self.vllm_config.model_config.uses_mrope)
         block_size = groups[0].kv_cache_spec.block_size if groups else self.block_size
         self.retention = SessionRetention(
-            self.kv_cache_manager, int(block_size), _model_max_position(self.vllm_config)
+            self.kv_cache_manager,
+            int(block_size),
+            _model_max_position(self.vllm_config),
+            uses_mrope=self._uses_mrope,
+            encoder_cache_manager=getattr(self, "encoder_cache_manager", None),
         )
 
     def add_request(self, request: Request) -> None:
@@ -63,6 +75,8 @@ class BoundedSessionScheduler(RetentionScheduler):
         problem = self._unsupported
         if problem is None and not request.resumable:
             problem = "retention needs a streaming-input (resumable) request"
+        if problem is None and self._uses_mrope and request.prompt_token_ids is None:
+            problem = "retention for mRoPE models needs token prompts (no prompt embeddings)"
         if problem is None:
             try:
                 self.retention.on_new_request(request)
@@ -79,6 +93,12 @@ class BoundedSessionScheduler(RetentionScheduler):
         if session.request_id in self._session_errors:
             return  # not folded: the session is being ended
         self.retention.after_fold(session)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().schedule(*args, **kwargs)
+        if self.retention.sessions and output.scheduled_encoder_inputs:
+            self.retention.on_encoder_inputs_scheduled(output.scheduled_encoder_inputs)
+        return output
 
     def _free_request(self, request: Request, *args: Any, **kwargs: Any) -> Any:
         self.retention.on_finished(request.request_id)

@@ -21,11 +21,26 @@ complete up to ``num_computed_tokens``.
 * Positions (1D RoPE). Survivors keep their original positions; a token computed now is at
   ``cache index + offset`` with ``offset = position cursor - tokens held``, sent to the worker in
   ``extra_args[POSITION_OFFSET_KEY]`` (see ``positions.py``).
+* Positions (mRoPE). The worker keeps each session's 3-D position tensor and slices/extends
+  it itself (see ``mrope.py``); at every fold it is sent an :class:`MRopeFold` (fold number,
+  tokens held before the eviction, the ranges evicted, re-prefill or not) in
+  ``extra_args[MROPE_FOLD_KEY]``. The 1D cursor of the policy counts tokens, which bounds the
+  mRoPE positions from above (text advances one position per token, an image or clip of t×h×w
+  tokens advances max(t, h, w)), so consolidating on it is safe, if early.
+* Multimodal items. A feature whose placeholders lie (even partly) in a freed range is dropped
+  from ``mm_features`` with its data, and its encoder-cache entry is released at once (it is
+  computed, so no request references it): the scheduler's ``EncoderCacheManager`` frees the
+  slots and reports the hash, so the worker pops its tensor at the next step. Features the
+  cache still holds keep their data (vLLM strips computed features' data from what it sends to
+  the worker; the scheduler's copy is what a consolidation re-prefill needs if the encoder
+  output was meanwhile evicted from the encoder cache), so frame data is bounded by the window.
 * Consolidation. When the next chunk plus its reply would pass ``max_position`` (the model's
   trained range, or the budget's own limit), the request preempts itself: all its blocks are
   freed and it is re-prefilled from the compacted tokens with positions 0..n-1 (offset 0). The
   re-prefill includes the chunk just folded in, so the sample it produces IS the reply to that
-  chunk; no sample of a re-prefill of old context alone is ever produced.
+  chunk; no sample of a re-prefill of old context alone is ever produced. For mRoPE models
+  the remnants (pieces of evicted chunks, possibly holding placeholder tokens of a frame that
+  is gone) are dropped first, so the re-prefill is a clean prompt of whole chunks.
 
 Requests without the key take none of these paths (one dict lookup per fold).
 """
@@ -46,6 +61,7 @@ from retention.policy import (
     plan_eviction,
 )
 from retention.vllm_adapter.kv_range import evict_token_range_for_request
+from retention.vllm_adapter.mrope import MRopeFold, set_fold
 from retention.vllm_adapter.positions import POSITION_OFFSET_KEY
 
 
@@ -60,6 +76,9 @@ class SessionRetentionState:
     max_position: int
     evict_calls: int = 0
     blocks_freed_total: int = 0
+    fold: int = 0
+    encoder_entries_released: int = 0
+    encoder_inputs_scheduled: int = 0
 
 
 def budget_of(sampling_params: Any) -> RetentionBudget | None:
@@ -82,10 +101,20 @@ def _set_offset(request: Any, offset: int) -> None:
 class SessionRetention:
     """Per-scheduler registry of retention sessions. Lives in the EngineCore process."""
 
-    def __init__(self, kv_cache_manager: Any, block_size: int, model_max_position: int) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: Any,
+        block_size: int,
+        model_max_position: int,
+        *,
+        uses_mrope: bool = False,
+        encoder_cache_manager: Any = None,
+    ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
         self.model_max_position = model_max_position
+        self.uses_mrope = uses_mrope
+        self.encoder_cache_manager = encoder_cache_manager
         self.sessions: dict[str, SessionRetentionState] = {}
 
     # -- lifecycle
@@ -103,6 +132,8 @@ class SessionRetention:
             budget=budget, history=SessionHistory.for_budget(budget), max_position=limit
         )
         _set_offset(request, 0)
+        if self.uses_mrope:
+            set_fold(request.sampling_params, MRopeFold(fold=0, reset=True))
 
     def on_finished(self, request_id: str) -> None:
         self.sessions.pop(request_id, None)
@@ -136,20 +167,50 @@ class SessionRetention:
             if n == 0:
                 continue
             state.blocks_freed_total += n
-            self._compact_request(request, a, b)
+            self._compact_request(request, a, b, state)
             freed.append((a, b))
         if plan.ranges:
             history = apply_eviction(history, sorted(freed), dropped=plan.dropped_segments)
         incoming = (
             int(request.num_tokens) - int(request.num_computed_tokens) + int(request.max_tokens)
         )
+        reset = False
         if needs_consolidation(history, state.budget, incoming, state.max_position):
+            if self.uses_mrope:
+                history = self._drop_remnants(request, state, history)
             history = consolidate(history)
             self._reprefill(request)
+            reset = True
         state.history = history
         _set_offset(request, history.next_position() - history.num_tokens)
+        if self.uses_mrope:
+            state.fold += 1
+            set_fold(
+                request.sampling_params,
+                MRopeFold(
+                    fold=state.fold, held_before=computed, evicted=tuple(sorted(freed)), reset=reset
+                ),
+            )
 
-    def _compact_request(self, request: Any, start: int, end: int) -> None:
+    def _drop_remnants(
+        self, request: Any, state: SessionRetentionState, history: SessionHistory
+    ) -> SessionHistory:
+        """Before a re-prefill: remove every remnant's tokens (any width: all blocks go anyway)."""
+        ranges: list[tuple[int, int]] = []
+        for seg in history.segments:
+            if not seg.remnant:
+                continue
+            if ranges and ranges[-1][1] == seg.start:
+                ranges[-1] = (ranges[-1][0], seg.end)
+            else:
+                ranges.append((seg.start, seg.end))
+        for start, end in reversed(ranges):
+            self._compact_request(request, start, end, state)
+        return apply_eviction(history, ranges) if ranges else history
+
+    def _compact_request(
+        self, request: Any, start: int, end: int, state: SessionRetentionState | None = None
+    ) -> None:
         width = end - start
         del request._all_token_ids[start:end]
         assert request.prompt_token_ids is not None
@@ -161,16 +222,66 @@ class SessionRetention:
         # Its remaining hashes chain over the uncompacted tokens: never look them up again.
         request.skip_reading_prefix_cache = True
         if request.mm_features:
-            kept = []
-            for feature in request.mm_features:
-                pos = feature.mm_position
-                if pos.offset >= end:
-                    feature.mm_position = replace(pos, offset=pos.offset - width)
-                    kept.append(feature)
-                elif pos.offset + pos.length <= start:
-                    kept.append(feature)
-                # else: the feature's placeholders were freed with the range
-            request.mm_features = kept
+            self._compact_features(request, start, end, state)
+
+    def _compact_features(
+        self, request: Any, start: int, end: int, state: SessionRetentionState | None
+    ) -> None:
+        width = end - start
+        old = request.mm_features
+        new_index: dict[int, int] = {}
+        kept: list[Any] = []
+        dropped: list[int] = []
+        for i, feature in enumerate(old):
+            pos = feature.mm_position
+            if pos.offset >= end:
+                feature.mm_position = replace(pos, offset=pos.offset - width)
+            elif pos.offset + pos.length > start:
+                # Placeholders (some or all) freed with the range: the item is gone.
+                dropped.append(i)
+                continue
+            new_index[i] = len(kept)
+            kept.append(feature)
+        if not dropped:
+            return
+        ecm = self.encoder_cache_manager
+        if ecm is not None:
+            # Encoder inputs this request still references are indexed by position in
+            # mm_features: unreference the dropped ones (while the old list is in place) and
+            # renumber the others. At a fold every item is computed, so this is normally empty.
+            refs = ecm.request_cached_ids.get(request.request_id)
+            for i in dropped:
+                if refs and i in refs:
+                    ecm.free_encoder_input(request, i)
+            refs = ecm.request_cached_ids.get(request.request_id)
+            if refs:
+                ecm.request_cached_ids[request.request_id] = {new_index[i] for i in refs}
+        request.mm_features = kept
+        if ecm is not None:
+            still_used = {feature.identifier for feature in kept}
+            for i in dropped:
+                if self._release_encoder_entry(old[i].identifier, still_used) and state:
+                    state.encoder_entries_released += 1
+
+    def _release_encoder_entry(self, mm_hash: str, still_used: set[str]) -> bool:
+        """Free an unreferenced encoder-cache entry now (vLLM frees them lazily, on pressure)."""
+        ecm = self.encoder_cache_manager
+        if mm_hash in still_used or ecm.cached.get(mm_hash):
+            return False  # this session still holds an identical item, or a request uses it
+        num_embeds = ecm.freeable.pop(mm_hash, None)
+        if num_embeds is None:
+            return False  # already evicted (or never cached)
+        ecm.cached.pop(mm_hash, None)
+        ecm.num_embeds_by_hash.pop(mm_hash, None)
+        ecm.num_free_slots += num_embeds
+        ecm.freed.append(mm_hash)  # the worker pops its tensor when the next step reports it
+        return True
+
+    def on_encoder_inputs_scheduled(self, scheduled: dict[str, list[int]]) -> None:
+        for request_id, input_ids in scheduled.items():
+            state = self.sessions.get(request_id)
+            if state is not None:
+                state.encoder_inputs_scheduled += len(input_ids)
 
     def _reprefill(self, request: Any) -> None:
         """Self-preemption: free every block, recompute the compacted context from position 0."""
@@ -204,6 +315,14 @@ class SessionRetention:
             "consolidations": h.consolidations_total,
             "position_cursor": h.next_position(),
             "blocks_freed_total": state.blocks_freed_total,
+            "fold": state.fold,
+            "mm_items_held": len(request.mm_features or ()),
+            "mm_items_with_data": sum(1 for f in request.mm_features or () if f.data is not None),
+            "encoder_entries_released": state.encoder_entries_released,
+            "encoder_inputs_scheduled": state.encoder_inputs_scheduled,
             "history_positions": positions,
+            "segment_chunks": [
+                [seg.index, seg.kind, seg.start, seg.end, seg.remnant] for seg in h.segments
+            ],
             "token_ids": list(request._all_token_ids[: h.num_tokens]),
         }

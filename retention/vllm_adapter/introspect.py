@@ -24,6 +24,7 @@ def _kv_stats(core: Any) -> dict[str, Any]:
             external = internal_id.rsplit("-", 1)[0]
             held = sum(1 for b in blocks if not b.is_null)
             per_request[external] = per_request.get(external, 0) + held
+    encoder = getattr(scheduler, "encoder_cache_manager", None)
     return {
         "num_free_blocks": int(pool.get_num_free_blocks()),
         # Block 0 is the null block, never handed out.
@@ -32,7 +33,57 @@ def _kv_stats(core: Any) -> dict[str, Any]:
         "num_kv_cache_groups": len(managers),
         "num_requests": len(scheduler.requests),
         "blocks_by_request": per_request,
+        # Scheduler-side encoder-cache entries (referenced or lazily freeable).
+        "encoder_cache_entries": None if encoder is None else len(encoder.cached),
+        "rss_bytes": _rss_bytes(),
     }
+
+
+def _rss_bytes() -> int | None:
+    """Resident set size of this (the EngineCore) process; None where /proc is missing."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+WORKER_STATS_METHOD = "vllm_realtime_worker_stats"
+
+
+def _worker_stats(worker: Any) -> dict[str, Any]:
+    runner = worker.model_runner
+    mrope_columns = {
+        req_id.rsplit("-", 1)[0]: int(state.mrope_positions.shape[1])
+        for req_id, state in runner.requests.items()
+        if getattr(state, "mrope_positions", None) is not None
+    }
+    return {
+        "rss_bytes": _rss_bytes(),
+        "encoder_cache_entries": len(runner.encoder_cache),
+        "num_requests": len(runner.requests),
+        "mrope_columns_by_request": mrope_columns,
+    }
+
+
+def _patch_worker_base(module: Any) -> None:
+    if not hasattr(module.WorkerBase, WORKER_STATS_METHOD):
+        setattr(module.WorkerBase, WORKER_STATS_METHOD, _worker_stats)
+
+
+def install_worker_utilities() -> None:
+    """Idempotently add a read-only stats method to vLLM's workers (reached by collective_rpc)."""
+    from retention.vllm_adapter.import_hooks import patch_on_import
+
+    patch_on_import("vllm.v1.worker.worker_base", _patch_worker_base)
+
+
+async def worker_stats(engine: Any) -> list[dict[str, Any]]:
+    """From the front end: per worker, its RSS, encoder-cache tensors and mRoPE state."""
+    result: list[dict[str, Any]] = await engine.collective_rpc(WORKER_STATS_METHOD)
+    return result
 
 
 def install_engine_core_utilities() -> None:

@@ -20,10 +20,18 @@ def register() -> None:
     from retention.vllm_adapter.streaming import install_streaming_hardening
 
     install_engine_core_utilities()
+    from retention.vllm_adapter.introspect import install_worker_utilities
+
+    install_worker_utilities()
     from retention.vllm_adapter.positions import install_position_offset_hooks
 
     # Worker half of 1D-RoPE retention: RoPE positions = cache index + per-request offset.
     install_position_offset_hooks()
+    from retention.vllm_adapter.mrope import install_mrope_hooks
+
+    # Worker half of mRoPE retention: per-request 3-D positions extended per chunk, sliced on
+    # eviction (the scheduler sends what it evicted at each fold).
+    install_mrope_hooks()
     # Front-end half of the streaming-input hardening (the EngineCore half is
     # RetentionScheduler, selected in realtime/engine.py). It patches front-end classes, which
     # the EngineCore and worker processes import but never use.

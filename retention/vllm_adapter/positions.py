@@ -17,12 +17,10 @@ request that did not ask for retention) add nothing. mRoPE models use their own 
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
+
+from retention.vllm_adapter.import_hooks import patch_on_import
 
 POSITION_OFFSET_KEY = "vllm_realtime_position_offset"
 _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
@@ -89,42 +87,7 @@ def _patch_block_table(module: ModuleType) -> None:
 _PATCHERS = {_RUNNER_MODULE: _patch_runner, _BLOCK_TABLE_MODULE: _patch_block_table}
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches a module right after it is first imported, so processes that never load the
-    model runner (the API front end) never import it because of us."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        patcher = _PATCHERS.get(fullname)
-        if patcher is None:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original_exec = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            original_exec(module)
-            patcher(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 def install_position_offset_hooks() -> None:
     """Idempotent: patch now if the modules are loaded, else right after they load."""
-    pending = False
     for name, patcher in _PATCHERS.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            patcher(module)
-        else:
-            pending = True
-    if pending and not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+        patch_on_import(name, patcher)

@@ -1,0 +1,244 @@
+"""Worker-side mRoPE positions for retention sessions (vLLM 0.32 model runner).
+
+Theory of operation
+===================
+mRoPE models (Qwen2-VL family) rotate each token at a 3-D position (temporal, height, width).
+The model runner keeps one ``3 × num_prompt_tokens`` tensor per request
+(``CachedRequestState.mrope_positions``) built by the model's ``get_mrope_input_positions``, and
+decode tokens get ``cache index + mrope_position_delta`` in all three rows
+(``MRotaryEmbedding.get_next_input_positions_tensor``). The KV slot of a token is its cache
+index, computed separately, so mRoPE positions are already apart from cache slots.
+
+Stock vLLM rebuilds that tensor over the WHOLE accumulated prompt at every chunk fold
+(``_update_streaming_request`` calls ``_init_mrope_positions``): O(N) per chunk, and after an
+in-place eviction it would renumber the survivors as if the evicted tokens had never been
+there, while their cached K was rotated at the old positions. Instead, for a retention session
+the tensor is *maintained*:
+
+* held columns: the old prompt's columns, plus the decode tokens vLLM keeps (at ``index +
+  delta``), minus the columns of the cache ranges the scheduler evicted at this fold;
+* the chunk just folded in: ``get_mrope_input_positions`` over the chunk ALONE (its own tokens
+  and multimodal features, offsets made chunk-local), shifted to start at (max held position +
+  1) — exactly what the stock computation over the uncompacted history gives it, because a
+  chunk's positions only depend on the positions before it through that maximum;
+* ``mrope_position_delta = max position + 1 - num_prompt_tokens``, so decode tokens after a
+  compaction continue right after the chunk (cache indices shrank, the delta grew).
+
+After a consolidation (the scheduler's self-preempting re-prefill) the stock computation runs
+once over the compacted prompt: the survivors are renumbered as a fresh prefill.
+
+Scheduler/worker protocol (they cannot drift silently). At every fold the scheduler
+(``eviction.py``) puts an :class:`MRopeFold` into ``SamplingParams.extra_args[MROPE_FOLD_KEY]``:
+a fold sequence number, the number of tokens the cache held before this fold's eviction, the
+ranges evicted at this fold (in those pre-eviction coordinates) and whether the request is being
+re-prefilled. vLLM sends each folded continuation to the worker as a full ``NewRequestData``
+with those sampling params, so the worker sees every fold exactly once and in order. The worker
+checks that the fold number is the previous one + 1, that the old tensor covers the previous
+prompt, and that held columns == the new ``num_computed_tokens``; any mismatch raises
+:class:`MRopeSyncError` (loud, instead of wrong positions). Requests without the key take the
+stock path.
+
+The patch wraps ``GPUModelRunner._init_mrope_positions`` (called for a new request and for each
+streaming update, after the cached state got the new prompt, features and computed count);
+installed from ``plugin.register`` through an import hook, idempotent. Not supported (refused by
+the scheduler): prompt embeddings, multimodal pruning (EVS recomputes positions per step).
+
+Status (vLLM 0.32, tiny Qwen2-VL; tests/retention/test_video_retention.py, test_mrope.py)
+----------------------------------------------------------------------------------------
+Works: in-place eviction of image and clip chunks, decode after a compaction, consolidation
+(with and without the encoder having to rerun on the surviving frames), concurrent sessions,
+1,000-frame endurance with bounded KV blocks, encoder-cache entries and mRoPE columns. Checked
+against a dense transformers forward with transformers' own 3-D positions: max |Δ logprob|
+~1e-6 (tolerance 1e-4). Not covered: the V2 model runner (it keeps positions in its own state
+and is not patched: refused; it needs triton, so it is off on CPU anyway), async scheduling and
+pipeline parallelism (refused), preemption of a session by KV pressure (survivors are then
+recomputed at their held positions, but without the evicted context, as for 1D sessions), and
+models whose temporal position scaling can outgrow the token count (the 1D consolidation
+cursor would then no longer bound the mRoPE positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from types import ModuleType
+from typing import Any, Final
+
+from retention.vllm_adapter.import_hooks import patch_on_import
+
+MROPE_FOLD_KEY: Final = "vllm_realtime_mrope_fold"
+_RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
+_PATCHED: Final = "_vllm_realtime_mrope_patched"
+_FOLD_ATTR: Final = "_vllm_realtime_mrope_fold"
+
+
+class MRopeSyncError(RuntimeError):
+    """The worker's mRoPE positions and the scheduler's fold messages disagree."""
+
+
+@dataclass(frozen=True)
+class MRopeFold:
+    """What the worker must do with a session's mRoPE positions at one fold."""
+
+    fold: int
+    held_before: int = 0
+    evicted: tuple[tuple[int, int], ...] = ()
+    reset: bool = False
+
+    def to_args(self) -> dict[str, Any]:
+        return {
+            "fold": self.fold,
+            "held_before": self.held_before,
+            "evicted": [[a, b] for a, b in self.evicted],
+            "reset": self.reset,
+        }
+
+    @classmethod
+    def from_args(cls, raw: Mapping[str, Any]) -> MRopeFold:
+        return cls(
+            fold=int(raw["fold"]),
+            held_before=int(raw.get("held_before", 0)),
+            evicted=tuple((int(a), int(b)) for a, b in raw.get("evicted", ())),
+            reset=bool(raw.get("reset", False)),
+        )
+
+
+def set_fold(sampling_params: Any, fold: MRopeFold) -> None:
+    extra = dict(sampling_params.extra_args or {})
+    extra[MROPE_FOLD_KEY] = fold.to_args()
+    sampling_params.extra_args = extra
+
+
+def fold_of(sampling_params: Any) -> MRopeFold | None:
+    extra = getattr(sampling_params, "extra_args", None)
+    if not extra or MROPE_FOLD_KEY not in extra:
+        return None
+    return MRopeFold.from_args(extra[MROPE_FOLD_KEY])
+
+
+# --------------------------------------------------------------------------- pure tensor ops
+
+
+def held_positions(
+    old_positions: Any, old_delta: int, held_before: int, evicted: Sequence[tuple[int, int]]
+) -> Any:
+    """The ``3 × held`` positions the cache holds after this fold's eviction.
+
+    ``old_positions`` covers the previous prompt (``3 × P``); the ``held_before - P`` tokens after
+    it are the previous chunk's decoded tokens at ``index + old_delta``; ``evicted`` are disjoint
+    ``[a, b)`` ranges of ``[0, held_before)`` whose columns are dropped.
+    """
+    import torch
+
+    num_old = int(old_positions.shape[1])
+    if held_before < num_old:
+        raise MRopeSyncError(
+            f"the cache held {held_before} tokens before the fold, fewer than the previous "
+            f"prompt's {num_old} positions"
+        )
+    parts = [old_positions]
+    if held_before > num_old:
+        decoded = torch.arange(num_old, held_before, dtype=old_positions.dtype) + int(old_delta)
+        parts.append(decoded.expand(old_positions.shape[0], -1))
+    full = torch.cat(parts, dim=1) if len(parts) > 1 else old_positions
+    if not evicted:
+        return full
+    keep = torch.ones(held_before, dtype=torch.bool)
+    prev_end = 0
+    for a, b in sorted(evicted):
+        if not prev_end <= a < b <= held_before:
+            raise MRopeSyncError(
+                f"evicted range [{a}, {b}) is not a disjoint part of [0, {held_before})"
+            )
+        keep[a:b] = False
+        prev_end = b
+    return full[:, keep]
+
+
+def appended_positions(held: Any, chunk_positions: Any | None) -> tuple[Any, int]:
+    """``held`` followed by the chunk's local positions shifted to (max held + 1); the delta."""
+    import torch
+
+    start = int(held.max()) + 1 if held.shape[1] else 0
+    if chunk_positions is None or chunk_positions.shape[1] == 0:
+        positions = held
+    else:
+        positions = torch.cat([held, chunk_positions.to(held.dtype) + start], dim=1)
+    top = int(positions.max()) + 1 if positions.shape[1] else 0
+    return positions.contiguous(), top - int(positions.shape[1])
+
+
+# --------------------------------------------------------------------------- the runner patch
+
+
+def _chunk_features(features: Sequence[Any], held: int) -> list[Any]:
+    local = []
+    for feature in features:
+        if feature.modality == "prompt_embeds":
+            continue
+        pos = feature.mm_position
+        if pos.offset >= held:
+            local.append(replace(feature, mm_position=replace(pos, offset=pos.offset - held)))
+        elif pos.offset + pos.length > held:
+            raise MRopeSyncError(
+                f"multimodal item at [{pos.offset}, {pos.offset + pos.length}) straddles the "
+                f"{held} held tokens"
+            )
+    return local
+
+
+def _extend_positions(runner: Any, req_state: Any, fold: MRopeFold) -> None:
+    old = req_state.mrope_positions
+    if old is None or req_state.mrope_position_delta is None:
+        raise MRopeSyncError(f"request {req_state.req_id} has no mRoPE positions to extend")
+    if req_state.prompt_token_ids is None:
+        raise MRopeSyncError("retention with mRoPE needs token prompts (no prompt embeddings)")
+    held = held_positions(old, req_state.mrope_position_delta, fold.held_before, fold.evicted)
+    num_held = int(held.shape[1])
+    if num_held != req_state.num_computed_tokens:
+        raise MRopeSyncError(
+            f"request {req_state.req_id}: {num_held} positions held after fold {fold.fold}, but "
+            f"the scheduler reports {req_state.num_computed_tokens} computed tokens"
+        )
+    tokens = req_state.prompt_token_ids
+    chunk = None
+    if len(tokens) > num_held:
+        chunk, _ = runner.get_model().get_mrope_input_positions(
+            tokens[num_held:], _chunk_features(req_state.mm_features, num_held)
+        )
+    positions, delta = appended_positions(held, chunk)
+    req_state.mrope_positions = positions
+    req_state.mrope_position_delta = delta
+
+
+def _patch_runner(module: ModuleType) -> None:
+    runner_cls = module.GPUModelRunner
+    if getattr(runner_cls, _PATCHED, False):
+        return
+    original = runner_cls._init_mrope_positions
+
+    def _init_mrope_positions(self: Any, req_state: Any) -> None:
+        fold = fold_of(req_state.sampling_params)
+        if fold is None:
+            original(self, req_state)
+            return
+        last: int | None = getattr(req_state, _FOLD_ATTR, None)
+        expected = 0 if last is None else last + 1
+        if fold.fold != expected or (last is None and not fold.reset):
+            raise MRopeSyncError(
+                f"request {req_state.req_id}: mRoPE fold {fold.fold} received, expected "
+                f"{expected}{' (a reset)' if last is None else ''}"
+            )
+        if fold.reset:
+            original(self, req_state)  # a fresh prefill: positions over the whole prompt
+        else:
+            _extend_positions(self, req_state, fold)
+        setattr(req_state, _FOLD_ATTR, fold.fold)
+
+    runner_cls._init_mrope_positions = _init_mrope_positions
+    setattr(runner_cls, _PATCHED, True)
+
+
+def install_mrope_hooks() -> None:
+    """Idempotent: patch now if the model runner is loaded, else right after it loads."""
+    patch_on_import(_RUNNER_MODULE, _patch_runner)
