@@ -76,13 +76,18 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         max_num_seqs=args.max_num_seqs,
         extra=parse_engine_passthrough(passthrough),
     )
+    keys = list(args.api_key or [])
     config = ServerConfig(
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=keys[0] if keys else None,
+        api_keys=tuple(keys[1:]),
         max_sessions=args.max_sessions,
+        max_sessions_per_key=args.max_sessions_per_key,
         idle_timeout_s=args.idle_timeout,
         max_frame_bytes=args.max_frame_bytes,
+        max_frames_per_s=args.max_frames_per_s,
+        frame_burst=args.frame_burst,
     )
     run_server(config, settings)
     return 0
@@ -100,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
-        "--api-key", default=None, help="require this key (Bearer header or WS subprotocol)"
+        "--api-key",
+        action="append",
+        default=None,
+        help="require this key (Bearer header or WS subprotocol); repeat to accept several",
     )
     serve.add_argument("--max-model-len", type=int, default=2048)
     serve.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
@@ -108,6 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-sessions", type=int, default=32)
     serve.add_argument("--idle-timeout", type=float, default=300.0, help="seconds without a frame")
     serve.add_argument("--max-frame-bytes", type=int, default=4 << 20)
+    serve.add_argument(
+        "--max-sessions-per-key", type=int, default=None, help="sessions one API key may hold"
+    )
+    serve.add_argument(
+        "--max-frames-per-s",
+        type=float,
+        default=100.0,
+        help="per-connection frame.append rate (0: no limit); over it: rate_limited",
+    )
+    serve.add_argument("--frame-burst", type=int, default=200, help="frames allowed at once")
     models = sub.add_parser("models", help="list or build the embedded default models")
     models.add_argument("action", choices=["list", "build"])
     models.add_argument("names", nargs="*")

@@ -10,6 +10,21 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # More accepted keys (the CLI's repeated --api-key); each key is its own owner, so sessions
+    # of one key are invisible to the others and `max_sessions_per_key` counts per key.
+    api_keys: tuple[str, ...] = ()
     max_sessions: int = 32
+    # Sessions one API key may hold at once (None: only `max_sessions`); over it session.open
+    # gets `capacity_exceeded`. Without an API key every caller shares the anonymous budget.
+    max_sessions_per_key: int | None = None
     idle_timeout_s: float = 300.0
     max_frame_bytes: int = 4 << 20
+    # Per-connection token bucket on frame.append events (refill rate per second, bucket size);
+    # a frame over it gets `rate_limited` and is dropped. Generous by default: a live client
+    # is paced by one chunk in flight, far below this.
+    max_frames_per_s: float = 100.0
+    frame_burst: int = 200
+
+    def accepted_keys(self) -> tuple[str, ...]:
+        """Every key the server accepts; empty when no key is required."""
+        return tuple(k for k in (self.api_key, *self.api_keys) if k)

@@ -22,7 +22,6 @@ from realtime.media import decode_clip, decode_image
 
 # Prefix of the stop_reason that RetentionScheduler gives a session it ended for length.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-_END = object()  # ends the input stream (graceful end of a session)
 
 
 @dataclass
@@ -74,6 +73,14 @@ def render_chunk(
     return prompt
 
 
+def _is_length_refusal(exc: BaseException) -> bool:
+    """vLLM's VLLMValidationError for a prompt over max_model_len (renderers/params.py)."""
+    return type(exc).__name__ == "VLLMValidationError" and getattr(exc, "parameter", None) in (
+        "input_text",
+        "input_tokens",
+    )
+
+
 class EngineSession:
     """The engine side of one session. Not thread-safe; one chunk at a time by construction."""
 
@@ -89,11 +96,9 @@ class EngineSession:
         self.finished = False
 
     async def _input_stream(self) -> AsyncIterator[Any]:
+        # Never ends by itself: a session ends by abort (see `abort`), not by end of input.
         while True:
-            item = await self._inputs.get()
-            if item is _END:
-                return
-            yield item
+            yield await self._inputs.get()
 
     async def run_chunk(self, prompt: dict[str, Any]) -> AsyncIterator[ChunkDelta | ChunkFinished]:
         """Feed one chunk and yield its deltas, then exactly one ChunkFinished."""
@@ -119,6 +124,13 @@ class EngineSession:
                 raise
             except Exception as exc:
                 self.finished = True
+                if _is_length_refusal(exc):
+                    # vLLM refuses a prompt longer than the model's context before running it.
+                    # That is the client's chunk, not an engine failure: it used to surface as a
+                    # fatal engine_error (found by tests/reliability: long text turns, prompts).
+                    raise ContextExceeded(
+                        "this chunk does not fit in the model's context; send smaller chunks"
+                    ) from None
                 raise EngineError(f"engine failed: {type(exc).__name__}") from None
             completion_out = out.outputs[0] if out.outputs else None
             if completion_out is not None and completion_out.token_ids:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -49,7 +50,6 @@ class SessionRecord:
     engine_session: EngineSession
     reserved_blocks: int
     owner: str | None  # API key (or None) of whoever opened it; only they may act on it
-    opened_at: float = field(default_factory=time.monotonic)
     last_activity: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -65,12 +65,16 @@ class SessionHub:
         self.engine_failure: str | None = None
         self.max_model_len = int(engine.model_config.max_model_len)
         self.multimodal = bool(engine.model_config.is_multimodal_model)
-        # In-place eviction is implemented for 1D-RoPE models; mRoPE sessions stay unbounded
-        # (reserved at max_model_len) until video retention lands.
-        self.retention_supported = not bool(engine.model_config.uses_mrope)
+        # In-place eviction works for 1D-RoPE and mRoPE models (retention/vllm_adapter/mrope.py).
+        self.retention_supported = True
         self.block_size = 16
         self.usable_blocks = 0
-        self._tokenizer: Any = None
+        # A paused streaming session still holds one of the engine's `max_num_seqs` request
+        # slots (vLLM counts WAITING_FOR_STREAMING_REQ against it). Admitting more sessions than
+        # slots starves the extra ones: their first chunk waits until another session closes
+        # (found by tests/reliability/test_capacity.py). Admission caps sessions at the slots.
+        scheduler_config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+        self.engine_slots: int | None = getattr(scheduler_config, "max_num_seqs", None)
 
     async def start(self) -> None:
         from retention.vllm_adapter.introspect import kv_stats
@@ -94,7 +98,9 @@ class SessionHub:
         )
 
     def new_protocol(self) -> SessionProtocol:
-        return SessionProtocol(self.limits())
+        # 128 random bits: a session id is the only thing that names an HTTP session of a server
+        # without API keys, so it must not be guessable (protocol.new_session_id gives 96 bits).
+        return SessionProtocol(self.limits(), session_id="sess_" + secrets.token_hex(16))
 
     # -- admission
 
@@ -131,13 +137,27 @@ class SessionHub:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if not self.healthy:
+        # Ask the engine (a cheap local flag in AsyncLLM), not only the watchdog's last verdict:
+        # right after the engine died a session.open must already be refused with engine_error.
+        if not await self.check_engine():
             raise EngineError(f"the engine is down: {self.engine_failure}")
         if len(self.sessions) >= self.config.max_sessions:
             raise CapacityExceeded(
                 f"{len(self.sessions)} sessions are open; this server runs at most "
                 f"{self.config.max_sessions}"
             )
+        if self.engine_slots is not None and len(self.sessions) >= self.engine_slots:
+            raise CapacityExceeded(
+                f"{len(self.sessions)} sessions are open; the engine runs at most "
+                f"{self.engine_slots} requests (max_num_seqs)"
+            )
+        per_key = self.config.max_sessions_per_key
+        if per_key is not None:
+            mine = sum(1 for r in self.sessions.values() if r.owner == owner)
+            if mine >= per_key:
+                raise CapacityExceeded(
+                    f"this API key holds {mine} sessions; at most {per_key} per key"
+                )
         need = self.reservation_blocks(config)
         free = self.usable_blocks - self.reserved_total()
         if need > free:
@@ -179,7 +199,10 @@ class SessionHub:
         # small. Real guard against overflow sits in the engine layer as well.
         if frame.kind == "text":
             return len((frame.text or "").encode()) // 2 + 16 + len((frame.prompt or "").encode())
-        return 256 if frame.kind == "image" else 1024
+        # Clips were estimated at 1024 tokens, so on a 1024-token model every clip was refused
+        # with context_exceeded (a 3-frame clip is ~25 tokens on the tiny VLM). The exact check
+        # is vLLM's own prompt-length refusal, now reported as context_exceeded too.
+        return 256
 
     async def run_turn(
         self, record: SessionRecord, frame: Frame, *, cancelled: asyncio.Event | None = None

@@ -9,6 +9,24 @@ from protocol import UndecodableFrame
 
 MAX_CLIP_FRAMES = 16
 MAX_IMAGE_PIXELS = 4096 * 4096  # refuse decompression bombs before decoding
+# A clip's frames together: without a total, 16 frames of 4096×4096 passed the per-frame check
+# and a few-kB clip decoded to ~800 MB of RGB (twice that once stacked) per session.
+MAX_CLIP_PIXELS = 2 * MAX_IMAGE_PIXELS
+# The Qwen-VL processors raise on more than 200:1 (smart_resize); that ValueError came back as a
+# fatal engine_error that closed the session. Refused here instead, as undecodable_frame.
+MAX_ASPECT_RATIO = 200
+
+
+def _check_shape(width: int, height: int, event_id: str | None) -> None:
+    if width * height > MAX_IMAGE_PIXELS:
+        raise UndecodableFrame(
+            f"image is {width}×{height}; at most {MAX_IMAGE_PIXELS} pixels", event_id=event_id
+        )
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        raise UndecodableFrame(
+            f"image is {width}×{height}; the aspect ratio may be at most {MAX_ASPECT_RATIO}:1",
+            event_id=event_id,
+        )
 
 
 def decode_image(data: bytes, event_id: str | None = None) -> Any:
@@ -16,11 +34,7 @@ def decode_image(data: bytes, event_id: str | None = None) -> Any:
 
     try:
         with Image.open(io.BytesIO(data)) as img:
-            if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise UndecodableFrame(
-                    f"image is {img.width}×{img.height}; at most {MAX_IMAGE_PIXELS} pixels",
-                    event_id=event_id,
-                )
+            _check_shape(img.width, img.height, event_id)
             img.load()
             return img.convert("RGB")
     except UndecodableFrame:
@@ -31,17 +45,27 @@ def decode_image(data: bytes, event_id: str | None = None) -> Any:
         ) from None
 
 
-def decode_clip(data: bytes, event_id: str | None = None, max_frames: int = MAX_CLIP_FRAMES) -> Any:
+def decode_clip(
+    data: bytes,
+    event_id: str | None = None,
+    max_frames: int = MAX_CLIP_FRAMES,
+    max_pixels: int = MAX_CLIP_PIXELS,
+) -> Any:
     """A short clip → uint8 array (T, H, W, 3), T even (Qwen-VL pairs frames in time)."""
     import av
     import numpy as np
 
     frames: list[Any] = []
+    total = 0
     try:
         with av.open(io.BytesIO(data)) as container:
             for frame in container.decode(video=0):
-                if frame.width * frame.height > MAX_IMAGE_PIXELS:
-                    raise UndecodableFrame("clip frames are too large", event_id=event_id)
+                _check_shape(frame.width, frame.height, event_id)
+                total += frame.width * frame.height
+                if total > max_pixels:
+                    raise UndecodableFrame(
+                        f"clip has more than {max_pixels} pixels in all", event_id=event_id
+                    )
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if len(frames) >= max_frames:
                     break

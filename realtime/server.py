@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,12 +30,16 @@ from protocol import (
     EngineError,
     ErrorEvent,
     FrameAppendEvent,
+    FrameTooLarge,
     IdleTimeout,
+    InternalError,
     InvalidEvent,
     OpenSession,
+    RateLimited,
     RealtimeError,
     ResponseCreatedEvent,
     ResponseStatus,
+    ServerCloseReason,
     ServerEvent,
     SessionConfig,
     SessionNotFound,
@@ -62,6 +67,86 @@ def _key_ok(expected: str | None, given: str | None) -> bool:
     return given is not None and hmac.compare_digest(expected.encode(), given.encode())
 
 
+def _key_accepted(config: ServerConfig, given: str | None) -> bool:
+    """Whether `given` is one of the server's keys (always true when none is configured)."""
+    keys = config.accepted_keys()
+    if not keys:
+        return True
+    # Compare with every key (no early exit), so timing does not tell which one nearly matched.
+    return sum(_key_ok(k, given) for k in keys) > 0
+
+
+class _FrameBucket:
+    """Token bucket of one connection's frame.append events (`rate` per second, `burst` deep).
+
+    Added for the reliability issue: nothing limited how fast a client could push frames (each
+    one a base64 decode, an image decode and an error or a turn); over the rate a frame gets
+    `rate_limited` and is dropped. A rate of 0 turns the limit off."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = max(1, burst)
+        self.tokens = float(self.burst)
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        if self.rate <= 0:
+            return True
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+_SESSION_ID = re.compile(r"(sess_[0-9a-f]{7})[0-9a-f]+")
+
+
+def _redact_path(path: str) -> str:
+    """A request path fit for a log: no query string (the HTTP adapter takes `?prompt=`, and
+    clients put keys there against the docs), session ids cut to the 12 characters the hub
+    logs (a full id is a capability on a server without API keys)."""
+    return _SESSION_ID.sub(r"\1…", path.split("?", 1)[0])
+
+
+class _RedactRequestPaths(logging.Filter):
+    """uvicorn logs request lines (`uvicorn.access`) and WebSocket upgrades (`uvicorn.error`)
+    with the full path; found by tests/reliability/test_security.py::test_logs_hold_no_payloads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args:
+            record.args = tuple(
+                _redact_path(a) if isinstance(a, str) and a.startswith("/") else a
+                for a in record.args
+            )
+        return True
+
+
+def _install_log_redaction() -> None:
+    for name in ("uvicorn.access", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RedactRequestPaths) for f in logger.filters):
+            logger.addFilter(_RedactRequestPaths())
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with frame_too_large past `limit` bytes before it is all read
+    (request.body() would buffer any size in memory first)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise FrameTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise FrameTooLarge(f"request body is over the limit of {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
 class Connection:
     """One WebSocket connection: its protocol state, its session, its turn task."""
 
@@ -75,6 +160,9 @@ class Connection:
         self.cancelled = asyncio.Event()
         self.send_lock = asyncio.Lock()
         self.closed = False
+        self.frames = _FrameBucket(hub.config.max_frames_per_s, hub.config.frame_burst)
+        # Last client event or end of a turn: the idle clock runs from whichever came last.
+        self.last_activity = time.monotonic()
 
     async def send(self, event: ServerEvent) -> None:
         if isinstance(event, ErrorEvent):
@@ -90,29 +178,54 @@ class Connection:
 
     async def run(self) -> None:
         await self.send(self.proto.greeting())
+        # One receive stays pending across turns. The old loop computed the idle timeout once
+        # per receive, so a receive started while a turn ran waited with no timeout forever: a
+        # client that sent one frame and went quiet held its session (and KV) for good. Now
+        # the end of a turn wakes the loop and the idle clock restarts from there.
+        receiving: asyncio.Future[Any] | None = None
         try:
             while not self.closed:
-                try:
-                    message = await asyncio.wait_for(self.ws.receive(), timeout=self._timeout())
-                except asyncio.TimeoutError:
+                if receiving is None:
+                    receiving = asyncio.ensure_future(self.ws.receive())
+                turn = self.turn if self.turn is not None and not self.turn.done() else None
+                waiting: set[asyncio.Future[Any]] = (
+                    {receiving} if turn is None else {receiving, turn}
+                )
+                done, _ = await asyncio.wait(
+                    waiting, timeout=self._timeout(turn), return_when=asyncio.FIRST_COMPLETED
+                )
+                if receiving not in done:
+                    if turn is not None:
+                        continue  # the turn ended; wait again, now with the idle clock
                     await self.send_error(IdleTimeout("no client event within the idle timeout"))
                     await self.finish(self.proto.server_close("idle_timeout"))
                     return
+                message, receiving = receiving.result(), None
+                self.last_activity = time.monotonic()
                 if message["type"] == "websocket.disconnect":
                     raise WebSocketDisconnect(message.get("code", 1000))
                 await self.handle(dict(message))
         except WebSocketDisconnect:
             await self.finish(self.proto.server_close("disconnect"), socket_gone=True)
+        except Exception:
+            # A server bug must still end in the documented way (internal_error, then
+            # session.closed), with the engine request freed, not as a bare 1011 close.
+            log.exception("connection failed")
+            await self.send_error(InternalError("internal server error"))
+            await self.finish(self.proto.server_close("error"))
         finally:
+            if receiving is not None and not receiving.done():
+                receiving.cancel()
             await self.finish(self.proto.server_close("disconnect"), socket_gone=True)
 
-    def _timeout(self) -> float | None:
+    def _timeout(self, turn: asyncio.Task[None] | None) -> float | None:
         # A turn in flight is the server's business, not the client's idleness.
-        if self.turn is not None and not self.turn.done():
+        if turn is not None:
             return None
-        return self.hub.config.idle_timeout_s
+        return max(0.0, self.last_activity + self.hub.config.idle_timeout_s - time.monotonic())
 
     async def handle(self, message: dict[str, Any]) -> None:
+        event_id: str | None = None
         try:
             if message.get("bytes") is not None:
                 action: Any = self.proto.receive_binary(message["bytes"])
@@ -121,22 +234,38 @@ class Connection:
                 event = parse_client_event(
                     text if text is not None else b"", max_bytes=self.proto.limits.max_event_bytes
                 )
+                event_id = event.event_id
+                if isinstance(event, FrameAppendEvent) and not self.frames.take():
+                    raise RateLimited(
+                        f"more than {self.frames.rate:g} frames per second (burst "
+                        f"{self.frames.burst}); this frame.append was dropped",
+                        event_id=event.event_id,
+                    )
                 action = self.proto.receive_client_event(event)
         except RealtimeError as exc:
             await self.send_error(exc)
             if not exc.session_survives:
                 await self.finish(self.proto.server_close("error"))
             return
-        await self.carry_out(action)
+        await self.carry_out(action, event_id)
 
-    async def carry_out(self, action: Any) -> None:
+    async def carry_out(self, action: Any, event_id: str | None = None) -> None:
         if isinstance(action, OpenSession):
             try:
                 self.hub.ensure_text_or_video(action.config)
                 self.record = await self.hub.open_session(self.proto, action.config, self.owner)
             except RealtimeError as exc:
+                # Admission errors answer the session.open: echo its event_id (they did not).
+                exc.event_id = exc.event_id or event_id
                 self.proto.open_refused()
                 await self.send_error(exc)
+                if not exc.session_survives:
+                    # A fatal refusal (engine_error: the engine is down) ends the connection
+                    # as documented for fatal errors; it used to leave it open and CONNECTED.
+                    fatal: ServerCloseReason = (
+                        "engine_error" if isinstance(exc, EngineError) else "error"
+                    )
+                    await self.finish(self.proto.server_close(fatal))
                 return
             await self.send(action.event)
         elif isinstance(action, AwaitBinary):
@@ -168,6 +297,14 @@ class Connection:
             await self.send_error(exc)
             if not exc.session_survives:
                 await self.finish(self.proto.server_close("error"))
+        except Exception:
+            # Not a protocol error: a server bug. Without this the accepted chunk never got its
+            # response.done and the task's exception went unretrieved.
+            log.exception("turn failed")
+            await self.send_error(InternalError("internal server error"))
+            await self.finish(self.proto.server_close("error"))
+        finally:
+            self.last_activity = time.monotonic()
 
     async def finish(self, close: CloseSession | None, *, socket_gone: bool = False) -> None:
         """Close the session once: stop the turn, free the engine request, say goodbye."""
@@ -214,7 +351,12 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             for record in list(hub.sessions.values()):
                 await hub.close_session(record)
 
-    app = FastAPI(title="vllm-realtime", lifespan=lifespan)
+    # No /docs, /redoc, /openapi.json: every route but /health and the demo page needs the key
+    # (docs/protocol.md), and FastAPI's generated pages would be open ones.
+    app = FastAPI(
+        title="vllm-realtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    _install_log_redaction()
 
     def hub_of(request: Request | WebSocket) -> SessionHub:
         hub: SessionHub = request.app.state.hub
@@ -224,7 +366,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
         return bearer_token(request.headers.get("authorization"))
 
     def require_key(request: Request) -> JSONResponse | None:
-        if _key_ok(config.api_key, http_key(request)):
+        if _key_accepted(config, http_key(request)):
             return None
         return _error_response(Unauthorized("missing or wrong API key"), 401)
 
@@ -266,7 +408,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
         hub = hub_of(ws)
         offered = [p for p in ws.scope.get("subprotocols", [])]
         key = api_key_from_handshake(ws.headers.get("authorization"), offered)
-        if not _key_ok(config.api_key, key):
+        if not _key_accepted(config, key):
             # Refuse in the handshake: the client learns 403, nothing else.
             await ws.close(code=1008)
             return
@@ -295,7 +437,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             return denied
         hub = hub_of(request)
         try:
-            raw = await request.body()
+            raw = await _read_body(request, hub.limits().max_event_bytes)
             try:
                 session_config = (
                     SessionConfig.model_validate_json(raw) if raw.strip() else SessionConfig()
@@ -305,7 +447,9 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             from protocol import SessionOpenEvent
 
             proto = hub.new_protocol()
-            open_event = SessionOpenEvent(**session_config.model_dump(exclude_none=True))
+            # dict(model), not model_dump(exclude_none=True): dropping nulls turned an explicit
+            # `retention.window_chunks: null` ("no cap") back into the default 8.
+            open_event = SessionOpenEvent(**dict(session_config))
             action = proto.receive_client_event(open_event)
             assert isinstance(action, OpenSession)
             hub.ensure_text_or_video(action.config)
@@ -325,11 +469,14 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             if record.lock.locked():
                 raise ChunkInFlight("a chunk of this session is in flight")
             async with record.lock:
-                body = await request.body()
+                body = await _read_body(request, record.protocol.limits.max_frame_bytes)
                 prompt = request.query_params.get("prompt")
                 ctype = request.headers.get("content-type", "")
                 proto = record.protocol
                 if ctype.startswith("text/"):
+                    if not body:
+                        # FrameAppendEvent(text="") raised pydantic's ValidationError: a 500.
+                        raise InvalidEvent("frame.text: the request body is empty")
                     event = FrameAppendEvent(text=body.decode("utf-8", "replace"), prompt=prompt)
                     action = proto.receive_client_event(event)
                 else:
@@ -345,6 +492,10 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
                     await hub.close_session(record)
                     return _error_response(exc, 503, extra={"response": _dump(done)})
                 except RealtimeError as exc:
+                    if not exc.session_survives:
+                        # Fatal (context_exceeded): the session is over; it used to stay listed.
+                        http_sessions.pop(session_id, None)
+                        await hub.close_session(record)
                     return _error_response(exc, _status_for(exc), extra={"response": _dump(done)})
                 return JSONResponse(_dump(done))
         except RealtimeError as exc:
@@ -405,17 +556,30 @@ async def _watch(hub: SessionHub, connections: set[Connection], app: FastAPI) ->
     """Every few seconds: engine alive? idle HTTP sessions past their timeout are closed."""
     while True:
         await asyncio.sleep(2.0)
-        if not await hub.check_engine():
-            for conn in list(connections):
-                if conn.proto.state is not State.CLOSED:
-                    await conn.send_error(EngineError(f"the engine is down: {hub.engine_failure}"))
-                    await conn.finish(conn.proto.server_close("engine_error"))
-        now = time.monotonic()
-        http_sessions: dict[str, SessionRecord] = app.state.http_sessions
+        try:
+            await _watch_once(hub, connections, app)
+        except Exception:
+            # One failed round must not end the watchdog (it used to die silently).
+            log.exception("watchdog round failed")
+
+
+async def _watch_once(hub: SessionHub, connections: set[Connection], app: FastAPI) -> None:
+    http_sessions: dict[str, SessionRecord] = app.state.http_sessions
+    if not await hub.check_engine():
+        for conn in list(connections):
+            if conn.proto.state is not State.CLOSED:
+                await conn.send_error(EngineError(f"the engine is down: {hub.engine_failure}"))
+                await conn.finish(conn.proto.server_close("engine_error"))
+        # HTTP sessions too: they used to stay registered until their idle timeout.
         for sid, record in list(http_sessions.items()):
-            if not record.lock.locked() and now - record.last_activity > hub.config.idle_timeout_s:
+            if not record.lock.locked():
                 http_sessions.pop(sid, None)
                 await hub.close_session(record)
+    now = time.monotonic()
+    for sid, record in list(http_sessions.items()):
+        if not record.lock.locked() and now - record.last_activity > hub.config.idle_timeout_s:
+            http_sessions.pop(sid, None)
+            await hub.close_session(record)
 
 
 def run_server(config: ServerConfig, settings: Any) -> None:
@@ -433,6 +597,17 @@ def run_server(config: ServerConfig, settings: Any) -> None:
         return hub
 
     app = create_app(hub_factory, config)
+    # uvicorn's own WebSocket cap (16 MiB) equalled limits.max_event_bytes, so a text message
+    # over the limit was never answered with the documented frame_too_large: the socket closed
+    # with 1009 instead. A margin over the limit makes the documented answer reachable.
+    from protocol import DEFAULT_MAX_EVENT_BYTES
+
     uvicorn.run(
-        app, host=config.host, port=config.port, workers=1, log_level="info", ws="websockets"
+        app,
+        host=config.host,
+        port=config.port,
+        workers=1,
+        log_level="info",
+        ws="websockets",
+        ws_max_size=DEFAULT_MAX_EVENT_BYTES + (1 << 20),
     )
