@@ -7,14 +7,16 @@ PY="${PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
 
 # System tools the test suite drives: Debian's chromium (the demo page's browser test; no
-# browser is downloaded) and ffmpeg (the webcam script). Installed once, where apt-get and root
-# are available; elsewhere those tests skip and say why.
-if ! command -v chromium >/dev/null 2>&1 || ! command -v ffmpeg >/dev/null 2>&1; then
+# browser is downloaded), ffmpeg (the webcam script) and nginx (the scale-out router config,
+# run for real). Installed once, where apt-get and root are available; elsewhere those tests
+# skip and say why.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v ffmpeg >/dev/null 2>&1 \
+  || { ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; }; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg nginx-light
   else
-    echo "setup: chromium/ffmpeg missing and apt-get unavailable; browser/webcam tests will skip"
+    echo "setup: chromium/ffmpeg/nginx missing and apt-get unavailable; their tests will skip"
   fi
 fi
 

@@ -1,0 +1,276 @@
+"""Drive sessions on an AsyncLLM the way realtime/engine_session.py does, and measure them.
+
+A session is ONE streaming-input vLLM request fed one chunk at a time (the next chunk goes only
+after the previous chunk's boundary), each chunk rendered by the server's own `render_chunk`.
+A stateless request is a plain, non-streaming vLLM request. Latencies are measured from
+handing the chunk to vLLM to its last token (no WebSocket or JSON in between).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from protocol import SessionConfig
+from protocol.state import Frame
+from realtime.engine_session import CONTEXT_LENGTH_EXCEEDED, render_chunk
+from retention.vllm_adapter.introspect import kv_stats, retention_state
+
+# The server's default retention (protocol: sink_chunks=1, window_chunks=8), as the hub sends it.
+DEFAULT_RETENTION: dict[str, Any] = {"sink_tokens": 0, "sink_chunks": 1, "window_chunks": 8}
+
+
+class SessionEnded(Exception):
+    """The engine ended the session (finished=True): context length, refusal, abort."""
+
+    def __init__(self, finish_reason: str | None, stop_reason: str) -> None:
+        super().__init__(f"{finish_reason}: {stop_reason}")
+        self.finish_reason = finish_reason
+        self.stop_reason = stop_reason
+
+    @property
+    def code(self) -> str:
+        if self.stop_reason.startswith(CONTEXT_LENGTH_EXCEEDED):
+            return CONTEXT_LENGTH_EXCEEDED
+        return self.stop_reason.split(":", 1)[0] or str(self.finish_reason)
+
+
+@dataclass
+class ChunkResult:
+    latency_ms: float
+    ttft_ms: float | None
+    completion_tokens: int
+    cumulative_prompt_tokens: int
+    cached_tokens: int | None = None
+    text: str = ""
+
+
+@dataclass
+class FrameRecord:
+    """One frame of one session, as measured."""
+
+    index: int
+    latency_ms: float
+    ttft_ms: float | None
+    completion_tokens: int
+    context_tokens: int  # tokens the session holds after the frame (prompt of a stateless one)
+    kv_blocks: int | None  # KV blocks the session holds after the frame (stateless: during it)
+    evictions: int = 0  # cumulative, from the retention state
+    consolidations: int = 0
+    cached_tokens: int | None = None  # stateless: prompt tokens served by the prefix cache
+    t: float = 0.0  # seconds since the run started, at the end of the frame
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def sampling_params(
+    max_tokens: int, retention: dict[str, Any] | None, *, ignore_eos: bool = True
+) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+    )
+    if retention is not None:
+        params.extra_args = {"streaming_retention": dict(retention)}
+    return params
+
+
+class StreamingSession:
+    """One long-lived streaming-input request, one chunk in flight (as EngineSession)."""
+
+    def __init__(self, engine: Any, request_id: str, params: Any) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.params = params
+        self._inputs: asyncio.Queue[Any] = asyncio.Queue()
+        self._outputs: Any = None
+        self.chunks = 0
+
+    async def _stream(self) -> AsyncIterator[Any]:
+        while True:
+            item = await self._inputs.get()
+            if item is None:
+                return
+            yield item
+
+    async def send(self, prompt: dict[str, Any]) -> ChunkResult:
+        from vllm.engine.protocol import StreamingInput
+
+        start = time.perf_counter()
+        self._inputs.put_nowait(StreamingInput(prompt=prompt))
+        if self._outputs is None:
+            self._outputs = self.engine.generate(
+                self._stream(), self.params, request_id=self.request_id
+            )
+        first: float | None = None
+        tokens = 0
+        text: list[str] = []
+        while True:
+            try:
+                out = await self._outputs.__anext__()
+            except StopAsyncIteration:
+                raise SessionEnded(None, "stream ended") from None
+            completion = out.outputs[0] if out.outputs else None
+            if completion is not None and completion.token_ids:
+                if first is None:
+                    first = time.perf_counter()
+                tokens += len(completion.token_ids)
+                text.append(completion.text or "")
+            if out.finished:
+                stop = str(getattr(completion, "stop_reason", "") or "")
+                raise SessionEnded(getattr(completion, "finish_reason", None), stop)
+            if completion is not None and completion.finish_reason is not None:
+                self.chunks += 1
+                now = time.perf_counter()
+                return ChunkResult(
+                    latency_ms=(now - start) * 1e3,
+                    ttft_ms=None if first is None else (first - start) * 1e3,
+                    completion_tokens=tokens,
+                    cumulative_prompt_tokens=len(out.prompt_token_ids or []),
+                    text="".join(text),
+                )
+
+    async def close(self) -> None:
+        if self._outputs is not None:
+            outputs, self._outputs = self._outputs, None
+            with contextlib.suppress(Exception):
+                await outputs.aclose()
+        with contextlib.suppress(Exception):
+            await self.engine.abort(self.request_id)
+
+
+async def stateless_request(
+    engine: Any, prompt: dict[str, Any], params: Any, request_id: str
+) -> tuple[ChunkResult, int]:
+    """A plain request; returns its result and its prompt length in tokens."""
+    start = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    prompt_len = 0
+    cached: int | None = None
+    text: list[str] = []
+    async for out in engine.generate(prompt, params, request_id=request_id):
+        completion = out.outputs[0] if out.outputs else None
+        if completion is not None and completion.token_ids:
+            if first is None:
+                first = time.perf_counter()
+            tokens += len(completion.token_ids)
+            text.append(completion.text or "")
+        prompt_len = len(out.prompt_token_ids or []) or prompt_len
+        if out.num_cached_tokens is not None:
+            cached = int(out.num_cached_tokens)
+    now = time.perf_counter()
+    return (
+        ChunkResult(
+            latency_ms=(now - start) * 1e3,
+            ttft_ms=None if first is None else (first - start) * 1e3,
+            completion_tokens=tokens,
+            cumulative_prompt_tokens=prompt_len,
+            cached_tokens=cached,
+            text="".join(text),
+        ),
+        prompt_len,
+    )
+
+
+def stateless_prompt(
+    config: SessionConfig, window: list[tuple[Frame, str]], frame: Frame, multimodal: bool
+) -> dict[str, Any]:
+    """The prompt of a stateless sliding-window client: the instructions, the last W frames
+    with the replies they got, then the new frame, in the same ChatML as `render_chunk`."""
+    parts: list[str] = []
+    if config.instructions:
+        parts.append(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
+    images: list[Any] = []
+    for past, reply in [*window, (frame, None)]:
+        rendered = render_chunk(past, SessionConfig(modality=config.modality), first=True,
+                                multimodal=multimodal)  # fmt: skip
+        parts.append(rendered["prompt"])
+        mm = rendered.get("multi_modal_data") or {}
+        if "image" in mm:
+            images.append(mm["image"])
+        if reply is not None:
+            parts.append(f"{reply}<|im_end|>\n")
+    prompt: dict[str, Any] = {"prompt": "".join(parts)}
+    if images:
+        prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+    return prompt
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(max(tokens, 0) / block_size)
+
+
+# --------------------------------------------------------------------------- sampling helpers
+
+
+def engine_processes() -> list[Any]:
+    import psutil
+
+    return list(psutil.Process().children(recursive=True))
+
+
+def engine_rss() -> dict[str, int]:
+    """Resident memory of the engine's processes (EngineCore, worker), by process title."""
+    out: dict[str, int] = {}
+    for proc in engine_processes():
+        with contextlib.suppress(Exception):
+            name = proc.name()
+            if proc.status() == "zombie":
+                continue
+            key = name if name.startswith("VLLM") else f"{name}:{proc.pid}"
+            out[key] = out.get(key, 0) + int(proc.memory_info().rss)
+    return out
+
+
+@dataclass
+class KvPoller:
+    """Samples the KV blocks held by all requests while a concurrent run goes on."""
+
+    engine: Any
+    interval_s: float = 0.25
+    samples: list[tuple[float, int, int]] = field(default_factory=list)  # (t, blocks, requests)
+    _task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        start = time.perf_counter()
+        while True:
+            with contextlib.suppress(Exception):
+                stats = await kv_stats(self.engine)
+                held = sum(int(v) for v in stats["blocks_by_request"].values())
+                self.samples.append((time.perf_counter() - start, held, int(stats["num_requests"])))
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+async def session_blocks(engine: Any, request_id: str) -> int:
+    stats = await kv_stats(engine)
+    return int(stats["blocks_by_request"].get(request_id, 0))
+
+
+async def session_retention(engine: Any, request_id: str) -> dict[str, Any] | None:
+    with contextlib.suppress(Exception):
+        return await retention_state(engine, request_id)
+    return None
+
+
+FrameSource = Callable[[int], Frame]

@@ -1,0 +1,286 @@
+"""Manual check of docs/scale-out.md: two real replicas behind docker/nginx/realtime.conf.
+
+    .venv/bin/python -m bench.scale_out_check
+
+Starts two `vllm-realtime serve` replicas of the tiny model on loopback ports and Debian's nginx
+(`apt-get install nginx-light`) with the router config rewritten to those ports, drives
+HTTP-adapter sessions (each with its own X-Session-Key) and WebSocket sessions through the
+router, reads every replica's /health session count to see where the sessions live, and stops
+everything it started. Exit status 0 when every session stayed on one replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+NGINX_CONF = ROOT / "docker" / "nginx" / "realtime.conf"
+REPLICA_ARGS = [
+    "--model",
+    "tiny-qwen2-vl",
+    "--kv-cache-memory-bytes",
+    "33554432",
+    "--max-model-len",
+    "1024",
+    "--block-size",
+    "32",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def render_router_conf(listen: int, replicas: list[int]) -> str:
+    """docker/nginx/realtime.conf with loopback addresses instead of the compose names."""
+    conf = NGINX_CONF.read_text()
+    conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{listen};")
+    for i, port in enumerate(replicas, 1):
+        conf = conf.replace(f"server replica-{i}:8000;", f"server 127.0.0.1:{port};")
+    if "replica-" in re.sub(r"#.*", "", conf):
+        raise ValueError("the router config names replicas this rewrite does not know")
+    return conf
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
+
+
+def start_nginx(
+    nginx: str, workdir: Path, listen: int, replicas: list[int]
+) -> subprocess.Popen[bytes]:
+    """nginx in the foreground with the router config, everything under `workdir`."""
+    (workdir / "logs").mkdir(exist_ok=True)
+    (workdir / "realtime.conf").write_text(render_router_conf(listen, replicas))
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    temp = "".join(
+        f"    {kind}_temp_path {workdir}/{kind};\n"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    (workdir / "nginx.conf").write_text(
+        f"{user}worker_processes 1;\npid {workdir}/nginx.pid;\n"
+        f"error_log {workdir}/logs/error.log;\nevents {{ worker_connections 256; }}\n"
+        f"http {{\n    access_log off;\n{temp}    include {workdir}/realtime.conf;\n}}\n"
+    )
+    proc = subprocess.Popen(
+        [nginx, "-p", str(workdir), "-c", str(workdir / "nginx.conf"), "-g", "daemon off;"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    wait_for_port(listen, 15, proc)
+    return proc
+
+
+def wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read().decode() if proc.stdout else ""
+            raise RuntimeError(f"process exited ({proc.returncode}): {out[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing listens on port {port}")
+        time.sleep(0.1)
+
+
+def http(
+    method: str, url: str, *, key: str | None = None, body: bytes | None = None, ctype: str = ""
+) -> tuple[int, Any]:
+    req = urllib.request.Request(url, method=method, data=body)
+    if key is not None:
+        req.add_header("X-Session-Key", key)
+    if ctype:
+        req.add_header("Content-Type", ctype)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def sessions_on(port: int) -> int:
+    status, body = http("GET", f"http://127.0.0.1:{port}/health")
+    assert status == 200, body
+    return int(body["sessions"])
+
+
+@contextlib.contextmanager
+def replicas(ports: list[int], logdir: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    exe = ROOT / ".venv" / "bin" / "vllm-realtime"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "realtime.cli"]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
+    procs = []
+    try:
+        for i, port in enumerate(ports, 1):
+            log = (logdir / f"replica-{i}.log").open("wb")
+            procs.append(
+                subprocess.Popen(
+                    [*cmd, "serve", "--port", str(port), *REPLICA_ARGS],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=ROOT,
+                    # Its own process group: the engine's processes (EngineCore, worker) are
+                    # stopped with it, even when the server is killed before it shuts them down.
+                    start_new_session=True,
+                )
+            )
+        yield procs
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is left
+
+
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"replica on port {port} exited with {proc.returncode}")
+        with contextlib.suppress(OSError, urllib.error.URLError):
+            if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
+                return
+        time.sleep(1)
+    raise TimeoutError(f"replica on port {port} not healthy after {timeout_s:.0f} s")
+
+
+def check(router: int, ports: list[int], log: list[str]) -> bool:
+    from websockets.sync.client import connect
+
+    from bench.frames import frame_jpeg
+
+    ok = True
+    base = f"http://127.0.0.1:{router}"
+    open_body = json.dumps({"modality": "video", "sampling": {"max_tokens": 2}}).encode()
+    # HTTP adapter: 8 sessions, each with its own key.
+    sessions: list[tuple[str, str, int]] = []
+    before = [sessions_on(p) for p in ports]
+    for n in range(8):
+        key = f"check-{n}-{os.urandom(4).hex()}"
+        status, body = http("POST", f"{base}/v1/streaming/sessions", key=key, body=open_body)
+        assert status == 200, body
+        counts = [sessions_on(p) for p in ports]
+        where = next(i for i, (a, b) in enumerate(zip(counts, before, strict=True)) if a > b)
+        before = counts
+        sessions.append((key, body["session_id"], where))
+    log.append(f"HTTP: 8 sessions opened, per replica: {before}")
+    ok &= all(c > 0 for c in before)
+    for key, sid, where in sessions:
+        for i in range(3):
+            status, done = http(
+                "POST",
+                f"{base}/v1/streaming/sessions/{sid}/frame",
+                key=key,
+                body=frame_jpeg(i, size=112),
+                ctype="image/jpeg",
+            )
+            good = status == 200 and done.get("type") == "response.done"
+            ok &= good
+            if not good:
+                log.append(f"  {sid} frame {i}: {status} {str(done)[:200]}")
+        log.append(f"  {sid[:16]} on replica-{where + 1}: 3 frames answered")
+    # The same session with another client's key: lands wherever that key hashes.
+    key, sid, where = sessions[0]
+    other = next((k for k, _, w in sessions if w != where), None)
+    if other is not None:
+        status, body = http(
+            "POST",
+            f"{base}/v1/streaming/sessions/{sid}/frame",
+            key=other,
+            body=frame_jpeg(9, size=112),
+            ctype="image/jpeg",
+        )
+        log.append(
+            f"  {sid[:16]} sent with a key of replica-{2 - where}: {status} "
+            f"{(body or {}).get('error', {}).get('code', body.get('type') if body else None)}"
+        )
+        ok &= status == 404
+    for key, sid, _ in sessions:
+        status, _ = http("DELETE", f"{base}/v1/streaming/sessions/{sid}", key=key)
+        ok &= status == 200
+    log.append(f"HTTP: closed, per replica: {[sessions_on(p) for p in ports]}")
+    # WebSocket: two sessions, least_conn puts one on each replica.
+    with contextlib.ExitStack() as stack:
+        conns = []
+        for _ in range(2):
+            ws = stack.enter_context(
+                connect(f"ws://127.0.0.1:{router}/v1/realtime", subprotocols=["vllm-realtime"])  # type: ignore[list-item]
+            )
+            conns.append(ws)
+            json.loads(ws.recv(timeout=30))  # session.created
+            ws.send(
+                json.dumps(
+                    {"type": "session.open", "modality": "video", "sampling": {"max_tokens": 2}}
+                )
+            )
+            assert json.loads(ws.recv(timeout=30))["type"] == "session.opened"
+        counts = [sessions_on(p) for p in ports]
+        log.append(f"WebSocket: 2 sessions open, per replica: {counts}")
+        ok &= counts == [1, 1]
+        for n, ws in enumerate(conns):
+            ws.send(json.dumps({"type": "frame.append", "binary": True}))
+            ws.send(frame_jpeg(1, size=112))
+            while (event := json.loads(ws.recv(timeout=120)))["type"] != "response.done":
+                pass
+            # max_tokens=2: the reply stops at max_tokens ("incomplete") or ends ("completed").
+            ok &= event["status"] in ("completed", "incomplete")
+            log.append(f"  WebSocket session {n + 1}: response.done {event['status']}")
+            ws.send(json.dumps({"type": "session.close"}))
+    return bool(ok)
+
+
+def main() -> int:
+    nginx = nginx_binary()
+    if nginx is None:
+        print("nginx is not installed (apt-get install nginx-light)", file=sys.stderr)
+        return 2
+    ports = [free_port(), free_port()]
+    router = free_port()
+    log: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="scale-out-") as tmp:
+        workdir = Path(tmp)
+        t0 = time.monotonic()
+        with replicas(ports, workdir) as procs:
+            for port, proc in zip(ports, procs, strict=True):
+                wait_healthy(port, proc, 600)
+            log.append(f"2 replicas healthy after {time.monotonic() - t0:.0f} s (ports {ports})")
+            proxy = start_nginx(nginx, workdir, router, ports)
+            try:
+                ok = check(router, ports, log)
+            finally:
+                proxy.terminate()
+                proxy.wait(timeout=10)
+    log.append(f"{'OK' if ok else 'FAILED'}: total {time.monotonic() - t0:.0f} s")
+    print("\n".join(log))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
