@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -92,3 +94,25 @@ async def keyed_server(vlm_engine: object) -> AsyncIterator[RunningServer]:
 async def text_server(smollm2_engine: object) -> AsyncIterator[RunningServer]:
     async for s in _serve(smollm2_engine, None, model_name="smollm2-135m-instruct", max_sessions=4):
         yield s
+
+
+# WebSocket helpers shared by the end-to-end and reliability tests.
+SUBPROTOCOLS = ["vllm-realtime"]
+
+
+async def recv(ws: Any, timeout: float = 60) -> dict[str, Any]:
+    message = await asyncio.wait_for(ws.recv(), timeout)
+    assert isinstance(message, str), "the server sends text messages only"
+    event: dict[str, Any] = json.loads(message)
+    return event
+
+
+async def recv_until(
+    ws: Any, kind: str, timeout: float = 60
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    seen: list[dict[str, Any]] = []
+    while True:
+        ev = await recv(ws, timeout)
+        seen.append(ev)
+        if ev["type"] == kind:
+            return ev, seen

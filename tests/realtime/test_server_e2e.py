@@ -12,26 +12,9 @@ import pytest
 import websockets
 
 from retention.vllm_adapter.introspect import kv_stats
-from tests.realtime.conftest import RunningServer, jpeg_bytes
+from tests.realtime.conftest import SUBPROTOCOLS, RunningServer, jpeg_bytes, recv, recv_until
 
 pytestmark = pytest.mark.slow
-
-SUBPROTOCOLS = ["vllm-realtime"]
-
-
-async def recv(ws: Any, timeout: float = 60) -> dict[str, Any]:
-    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
-
-
-async def recv_until(
-    ws: Any, kind: str, timeout: float = 60
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    seen: list[dict[str, Any]] = []
-    while True:
-        ev = await recv(ws, timeout)
-        seen.append(ev)
-        if ev["type"] == kind:
-            return ev, seen
 
 
 async def open_session(ws: Any, **fields: Any) -> dict[str, Any]:

@@ -17,29 +17,17 @@ from typing import Any
 import pytest
 
 from retention.vllm_adapter.introspect import kv_stats
-from tests.realtime.conftest import RunningServer, _serve, server, text_server
+from tests.realtime.conftest import (
+    SUBPROTOCOLS,
+    RunningServer,
+    _serve,
+    recv,
+    recv_until,
+    server,
+    text_server,
+)
 
-__all__ = ["server", "text_server"]
-
-SUBPROTOCOLS = ["vllm-realtime"]
-
-
-async def recv(ws: Any, timeout: float = 60) -> dict[str, Any]:
-    message = await asyncio.wait_for(ws.recv(), timeout)
-    assert isinstance(message, str), "the server sends text messages only"
-    event: dict[str, Any] = json.loads(message)
-    return event
-
-
-async def recv_until(
-    ws: Any, kind: str, timeout: float = 60
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    seen: list[dict[str, Any]] = []
-    while True:
-        ev = await recv(ws, timeout)
-        seen.append(ev)
-        if ev["type"] == kind:
-            return ev, seen
+__all__ = ["SUBPROTOCOLS", "recv", "recv_until", "server", "text_server"]
 
 
 async def drain_until_closed(ws: Any, timeout: float = 60) -> list[dict[str, Any]]:
