@@ -12,8 +12,8 @@ Every mode gets the same synthetic 448x448 JPEG camera frames (bench/frames.py; 
 tokens each on Qwen3-VL), or the frames of a clip with --video:
 
 (a) bounded: one streaming-input session with the server's default retention. Qwen3-VL uses
-    mRoPE; where this checkout's scheduler does not implement retention for mRoPE it refuses
-    the session (`retention_unsupported`) and the refusal is what gets recorded;
+    mRoPE (retention/vllm_adapter/mrope.py); if the scheduler refuses the session
+    (`retention_unsupported`, e.g. on vLLM's V2 model runner) the refusal is recorded;
 (b) unbounded: the same session without retention, until max_model_len
     (`context_length_exceeded` from our scheduler; the engine survives);
 (c) stateless: every frame a new request with the instructions and the last W frames (W=16

@@ -12,8 +12,8 @@ One engine per model, the same frames for every mode (bench/frames.py):
     tests/retention/test_streaming_hardening.py, f);
 (c) stateless: every frame a new request with the instructions and the last W frames (with the
     replies they got), W=16;
-plus the video model (tiny-qwen2-vl, mRoPE) unbounded until its context is full, and bounded if
-this checkout's scheduler accepts retention for it (otherwise the refusal is recorded);
+plus the video model (tiny-qwen2-vl, mRoPE) unbounded until its context is full, and bounded
+(mRoPE retention, retention/vllm_adapter/mrope.py; a refusal would be recorded);
 and 1/4/16 concurrent sessions of each text mode.
 
 Measured per frame: latency (chunk handed to vLLM → last token), TTFT, KV blocks the session
@@ -695,7 +695,7 @@ def _notes(results: dict[str, Any]) -> None:
     if vb and vb["records"] and not (vb["ended"] and vb["ended"]["frame"] == 1):
         last = vb["records"][-1]
         notes.append(
-            f"Video bounded: this checkout's scheduler accepted retention for the mRoPE model: "
+            f"Video bounded (mRoPE retention): "
             f"{len(vb['records'])} frames, {last['evictions']} evictions, "
             f"{last['consolidations']} consolidations, KV blocks max "
             f"{vb['summary']['kv_blocks_max']}"
