@@ -52,6 +52,9 @@ class SessionRecord:
     owner: str | None  # API key (or None) of whoever opened it; only they may act on it
     last_activity: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Tokens the engine request holds after the last turn, as the engine reports them. For a
+    # bounded session this is what the next fold is checked against, not the tokens ever sent.
+    tokens_held: int = 0
 
 
 class SessionHub:
@@ -221,9 +224,8 @@ class SessionHub:
         timing = Timing()
         raise_after: RealtimeError | None = None
         try:
-            need = (
-                es.context_tokens + self._estimate_chunk_tokens(frame) + config.sampling.max_tokens
-            )
+            held = es.context_tokens if self.retention_args(config) is None else record.tokens_held
+            need = held + self._estimate_chunk_tokens(frame) + config.sampling.max_tokens
             if need > self.max_model_len:
                 raise ContextExceeded(
                     f"this chunk would take the session to about {need} tokens; the model's "
@@ -252,7 +254,8 @@ class SessionHub:
             if isinstance(exc, EngineError):
                 self.metrics.engine_errors.inc()
             raise_after = exc
-        retention = await self.retention_state(record)
+        retention = await self.retention_state(record, usage)
+        record.tokens_held = retention.tokens_retained
         total_ms = (time.perf_counter() - started) * 1e3
         if timing.total_ms is None:
             timing = Timing(total_ms=total_ms)
@@ -270,7 +273,7 @@ class SessionHub:
         if raise_after is not None:
             raise raise_after
 
-    async def retention_state(self, record: SessionRecord) -> RetentionState:
+    async def retention_state(self, record: SessionRecord, last_turn: Usage) -> RetentionState:
         from retention.vllm_adapter.introspect import kv_stats, retention_state
 
         sid = record.protocol.session_id
@@ -288,10 +291,14 @@ class SessionHub:
                 kv_blocks_held=held,
             )
         return RetentionState(
-            # The chunk just answered is not a history segment yet (it is the protected tail).
+            # The chunk just answered (and its reply) is not a history segment yet: it becomes
+            # one at the next fold. It is in the cache all the same, but for the last sampled
+            # token, which the next fold computes.
             frames_retained=int(state["chunks_retained"]) + 1,
             frames_evicted=int(state["chunks_evicted"]),
-            tokens_retained=int(state["tokens_held"]),
+            tokens_retained=int(state["tokens_held"])
+            + last_turn.prompt_tokens
+            + max(0, last_turn.completion_tokens - 1),
             kv_blocks_held=held,
             consolidations=int(state["consolidations"]),
         )

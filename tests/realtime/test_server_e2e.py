@@ -313,3 +313,35 @@ async def test_text_session_is_bounded_by_in_place_eviction(text_server: Running
         # turns would hold ≥ 9 blocks.
         assert max(held) <= 5, held
     assert await wait_free_blocks(text_server, before) == before
+
+
+async def test_bounded_text_session_outlives_max_model_len(text_server: RunningServer) -> None:
+    """A bounded session is checked against the tokens it holds, not the tokens ever sent.
+
+    The hub's context guard once summed every chunk of the session, so a bounded session on a
+    1024-token engine was refused with `context_exceeded` after ~1,000 tokens in all, although
+    the engine held ~200 (found by `bench.soak`).
+    """
+    before = await quiescent_free_blocks(text_server)
+    sentence = "The meter on the north wall shows a steady reading, and the operator notes it down."
+    async with websockets.connect(text_server.url, subprotocols=SUBPROTOCOLS) as ws:
+        await open_session(
+            ws,
+            modality="text",
+            instructions="Answer in one word.",
+            retention={"sink_chunks": 1, "window_chunks": 2},
+            sampling={"max_tokens": 2},
+        )
+        sent = 0
+        for i in range(40):
+            await ws.send(json.dumps({"type": "frame.append", "text": f"{i}. {sentence}"}))
+            done, _ = await recv_until(ws, "response.done")
+            assert done["status"] in ("completed", "incomplete"), (i, done)
+            sent += done["usage"]["prompt_tokens"] + done["usage"]["completion_tokens"]
+            r = done["retention"]
+            # tokens_retained counts the chunk just answered too: it is in the cache.
+            assert r["tokens_retained"] <= r["kv_blocks_held"] * 32, r
+            assert r["tokens_retained"] > (r["kv_blocks_held"] - 2) * 32, r
+        assert sent > 1024 + 256, sent  # well past max_model_len in all
+        assert r["tokens_retained"] < 300, r
+    assert await wait_free_blocks(text_server, before) == before
