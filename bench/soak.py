@@ -256,7 +256,7 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
 
     settings = _engine_settings(
         "tiny-qwen2-vl",
-        # Video sessions have no retention yet (mRoPE): 100 frames need a longer context.
+        # Sessions get the default retention (sink 1 chunk, window 8 chunks).
         max_model_len=4096,
         kv_cache_memory_bytes=max(180, 5 * args.sessions) << 20,
         max_num_seqs=max(48, args.sessions),
