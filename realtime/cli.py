@@ -15,6 +15,13 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_engine_passthrough(tokens: list[str]) -> dict[str, Any]:
     """`--some-engine-arg VALUE` / `--flag` pairs (vLLM engine args) → AsyncEngineArgs kwargs."""
     out: dict[str, Any] = {}
@@ -88,6 +95,7 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         max_frame_bytes=args.max_frame_bytes,
         max_frames_per_s=args.max_frames_per_s,
         frame_burst=args.frame_burst,
+        retention_max_position=args.retention_max_position,
     )
     run_server(config, settings)
     return 0
@@ -126,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
         help="per-connection frame.append rate (0: no limit); over it: rate_limited",
     )
     serve.add_argument("--frame-burst", type=int, default=200, help="frames allowed at once")
+    serve.add_argument(
+        "--retention-max-position",
+        type=_positive_int,
+        default=None,
+        help="consolidate bounded sessions before this RoPE position (default: trained range)",
+    )
     models = sub.add_parser("models", help="list or build the embedded default models")
     models.add_argument("action", choices=["list", "build"])
     models.add_argument("names", nargs="*")

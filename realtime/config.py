@@ -24,6 +24,16 @@ class ServerConfig:
     # is paced by one chunk in flight, far below this.
     max_frames_per_s: float = 100.0
     frame_burst: int = 200
+    # Bounded sessions consolidate (re-prefill their window at positions 0..n-1) before their
+    # RoPE positions reach this; None: the model's trained range. Lower it for a model that
+    # degrades well inside its trained range.
+    retention_max_position: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.retention_max_position is not None and self.retention_max_position < 1:
+            raise ValueError(
+                f"retention_max_position must be >= 1, got {self.retention_max_position}"
+            )
 
     def accepted_keys(self) -> tuple[str, ...]:
         """Every key the server accepts; empty when no key is required."""

@@ -117,6 +117,8 @@ class SessionHub:
             args["window_chunks"] = r.window_chunks
         if r.window_tokens is not None:
             args["window_tokens"] = r.window_tokens
+        if self.config.retention_max_position is not None:
+            args["max_position"] = self.config.retention_max_position
         return args
 
     def reservation_blocks(self, config: SessionConfig | None) -> int:

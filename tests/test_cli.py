@@ -47,6 +47,17 @@ def test_engine_guards_refuse_unservable_configs() -> None:
             build_engine_args(EngineSettings(model="tiny-qwen2-vl", extra=extra))
 
 
+def test_retention_max_position_must_be_positive() -> None:
+    from realtime.config import ServerConfig
+
+    with pytest.raises(ValueError, match="retention_max_position"):
+        ServerConfig(retention_max_position=0)
+    out = subprocess.run(
+        [str(BIN), "serve", "--retention-max-position", "0"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "must be >= 1" in out.stderr
+
+
 @pytest.mark.slow
 async def test_serve_answers_health_and_websocket() -> None:
     port = free_port()

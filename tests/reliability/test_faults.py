@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 import websockets
 
-from tests.realtime.conftest import RunningServer, jpeg_bytes
+from tests.realtime.conftest import RunningServer, _serve, jpeg_bytes
 from tests.reliability.conftest import (
     SUBPROTOCOLS,
     drain_until_closed,
@@ -220,3 +221,47 @@ async def test_activity_keeps_a_session_alive(idle_server: RunningServer) -> Non
             done, _ = await recv_until(ws, "response.done")
             assert done["frame_index"] == i
     await wait_quiescent(idle_server)
+
+
+@pytest.fixture(scope="module")
+async def consolidating_server(smollm2_engine: object) -> AsyncIterator[RunningServer]:
+    # Positions capped at 160: with 2-token replies a session consolidates every few turns.
+    async for s in _serve(
+        smollm2_engine,
+        None,
+        model_name="smollm2-135m-instruct",
+        max_sessions=4,
+        retention_max_position=160,
+    ):
+        yield s
+
+
+async def test_disconnect_during_consolidation(consolidating_server: RunningServer) -> None:
+    """Hang up just after sending a chunk whose fold consolidates (the request frees every block
+    and re-prefills its window), at a few delays: every block comes back. A chunk of ~120
+    tokens cannot fit under the 160-position cap next to any history, so its fold always
+    consolidates; the first one is checked, the second one is cut off."""
+    srv = consolidating_server
+    before = await wait_quiescent(srv)
+    big = "Describe it. " + " ".join(f"item{i}" for i in range(40))
+    for delay in (0.0, 0.02, 0.2):
+        ws = await websockets.connect(srv.url, subprotocols=SUBPROTOCOLS)
+        await open_session(
+            ws,
+            modality="text",
+            retention={"sink_chunks": 1, "window_chunks": 2},
+            sampling={"max_tokens": 2},
+        )
+        for turn in range(3):
+            await ws.send(json.dumps({"type": "frame.append", "text": f"Turn {turn}: a colour?"}))
+            done, _ = await recv_until(ws, "response.done")
+            assert done["status"] in ("completed", "incomplete"), done
+        consolidations = done["retention"]["consolidations"]
+        await ws.send(json.dumps({"type": "frame.append", "text": big}))
+        done, _ = await recv_until(ws, "response.done")
+        assert done["status"] in ("completed", "incomplete"), done
+        assert done["retention"]["consolidations"] == consolidations + 1, done
+        await ws.send(json.dumps({"type": "frame.append", "text": big}))
+        await asyncio.sleep(delay)
+        ws.transport.abort()
+        assert await wait_quiescent(srv) == before
