@@ -116,3 +116,22 @@ async def recv_until(
         seen.append(ev)
         if ev["type"] == kind:
             return ev, seen
+
+
+async def open_session(ws: Any, **fields: Any) -> dict[str, Any]:
+    hello = await recv(ws)
+    assert hello["type"] == "session.created"
+    fields.setdefault("sampling", {"max_tokens": 4})
+    await ws.send(json.dumps({"type": "session.open", **fields}))
+    opened = await recv(ws)
+    assert opened["type"] == "session.opened", opened
+    return opened
+
+
+# A bounded text session that evicts within a few turns: the instructions chunk pinned, a
+# window of 2 chunks, 2-token replies.
+BOUNDED_TEXT: dict[str, Any] = {
+    "modality": "text",
+    "retention": {"sink_chunks": 1, "window_chunks": 2},
+    "sampling": {"max_tokens": 2},
+}

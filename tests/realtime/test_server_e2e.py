@@ -12,18 +12,17 @@ import pytest
 import websockets
 
 from retention.vllm_adapter.introspect import kv_stats
-from tests.realtime.conftest import SUBPROTOCOLS, RunningServer, jpeg_bytes, recv, recv_until
+from tests.realtime.conftest import (
+    BOUNDED_TEXT,
+    SUBPROTOCOLS,
+    RunningServer,
+    jpeg_bytes,
+    open_session,
+    recv,
+    recv_until,
+)
 
 pytestmark = pytest.mark.slow
-
-
-async def open_session(ws: Any, **fields: Any) -> dict[str, Any]:
-    hello = await recv(ws)
-    assert hello["type"] == "session.created"
-    await ws.send(json.dumps({"type": "session.open", "sampling": {"max_tokens": 4}, **fields}))
-    opened = await recv(ws)
-    assert opened["type"] == "session.opened", opened
-    return opened
 
 
 def image_event(seed: int, **extra: Any) -> str:
@@ -295,10 +294,8 @@ async def test_text_session_is_bounded_by_in_place_eviction(text_server: Running
     async with websockets.connect(text_server.url, subprotocols=SUBPROTOCOLS) as ws:
         await open_session(
             ws,
-            modality="text",
             instructions="Answer in one word.",
-            retention={"sink_chunks": 1, "window_chunks": 2},
-            sampling={"max_tokens": 2},
+            **BOUNDED_TEXT,
         )
         held = []
         for i in range(12):
@@ -327,10 +324,8 @@ async def test_bounded_text_session_outlives_max_model_len(text_server: RunningS
     async with websockets.connect(text_server.url, subprotocols=SUBPROTOCOLS) as ws:
         await open_session(
             ws,
-            modality="text",
             instructions="Answer in one word.",
-            retention={"sink_chunks": 1, "window_chunks": 2},
-            sampling={"max_tokens": 2},
+            **BOUNDED_TEXT,
         )
         sent = 0
         for i in range(40):

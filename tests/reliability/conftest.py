@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -21,13 +20,14 @@ from tests.realtime.conftest import (
     SUBPROTOCOLS,
     RunningServer,
     _serve,
+    open_session,
     recv,
     recv_until,
     server,
     text_server,
 )
 
-__all__ = ["SUBPROTOCOLS", "recv", "recv_until", "server", "text_server"]
+__all__ = ["SUBPROTOCOLS", "open_session", "recv", "recv_until", "server", "text_server"]
 
 
 async def drain_until_closed(ws: Any, timeout: float = 60) -> list[dict[str, Any]]:
@@ -39,16 +39,6 @@ async def drain_until_closed(ws: Any, timeout: float = 60) -> list[dict[str, Any
         while True:
             seen.append(await recv(ws, timeout))
     return seen
-
-
-async def open_session(ws: Any, **fields: Any) -> dict[str, Any]:
-    hello = await recv(ws)
-    assert hello["type"] == "session.created"
-    fields.setdefault("sampling", {"max_tokens": 4})
-    await ws.send(json.dumps({"type": "session.open", **fields}))
-    opened = await recv(ws)
-    assert opened["type"] == "session.opened", opened
-    return opened
 
 
 async def free_blocks(srv: RunningServer) -> int:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.realtime.conftest import RunningServer, _serve, jpeg_bytes
+from tests.realtime.conftest import BOUNDED_TEXT, RunningServer, _serve, jpeg_bytes
 from tests.reliability.conftest import (
     SUBPROTOCOLS,
     drain_until_closed,
@@ -88,9 +88,7 @@ async def test_disconnect_during_eviction(text_server: RunningServer) -> None:
         ws = await websockets.connect(text_server.url, subprotocols=SUBPROTOCOLS)
         await open_session(
             ws,
-            modality="text",
-            retention={"sink_chunks": 1, "window_chunks": 2},
-            sampling={"max_tokens": 2},
+            **BOUNDED_TEXT,
         )
         evicted = 0
         for turn in range(10):
@@ -248,9 +246,7 @@ async def test_disconnect_during_consolidation(consolidating_server: RunningServ
         ws = await websockets.connect(srv.url, subprotocols=SUBPROTOCOLS)
         await open_session(
             ws,
-            modality="text",
-            retention={"sink_chunks": 1, "window_chunks": 2},
-            sampling={"max_tokens": 2},
+            **BOUNDED_TEXT,
         )
         for turn in range(3):
             await ws.send(json.dumps({"type": "frame.append", "text": f"Turn {turn}: a colour?"}))
