@@ -156,8 +156,13 @@ def _engine_settings(model: str, **over: Any) -> Any:
 async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     import websockets
 
+    from retention.vllm_adapter.introspect import heap_stats
+
     settings = _engine_settings("smollm2-135m-instruct", max_num_seqs=4)
     records: list[dict[str, Any]] = []
+    warm_frame = args.frames // 10
+    types_at_warm: dict[str, Any] = {}
+    heap_end: dict[str, Any] = {}
     started = time.perf_counter()
     async with serve(settings, "smollm2-135m-instruct", max_sessions=2) as srv:
         hub = srv["hub"]
@@ -200,16 +205,31 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                 }
                 if i % args.rss_every == 0:
                     rec["rss"] = _rss(srv["processes"])
+                if args.heap_every and i % args.heap_every == 0:
+                    rec["heap"] = _heap_row(await heap_stats(srv["engine"]))
+                if i == warm_frame:
+                    types_at_warm = await heap_stats(srv["engine"], "types")
+                    if args.trace:
+                        await heap_stats(srv["engine"], "trace_start")
                 records.append(rec)
+            # Before close: the session's own state is still live here.
+            heap_end = await heap_stats(srv["engine"], "trace_top" if args.trace else "types")
             await ws.send(json.dumps({"type": "session.close"}))
             with contextlib.suppress(websockets.exceptions.ConnectionClosed):
                 await _recv_until(ws, "session.closed")
         leaked = await _wait_pool_free(hub)
+        if args.trace:
+            heap_end["types_after"] = await heap_stats(srv["engine"], "types")
     n = len(records)
     warm = records[n // 10 :] or records  # skip the warm-up tenth
     xs = [float(r["i"]) for r in warm]
     tenth = max(1, n // 10)
     rss_rows = [r for r in warm if "rss" in r]
+    heap_rows = [r for r in warm if "heap" in r]
+    heap_slopes = {
+        name: round(slope([r["i"] for r in heap_rows], [r["heap"][name] for r in heap_rows]) * 1000)
+        for name in (heap_rows[0]["heap"] if heap_rows else {})
+    }
     rss_slopes = {
         name: round(slope([r["i"] for r in rss_rows], [r["rss"][name] for r in rss_rows]) * 1000)
         for name in (rss_rows[0]["rss"] if rss_rows else {})
@@ -232,6 +252,16 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             name: [rss_rows[0]["rss"][name], rss_rows[-1]["rss"][name]]
             for name in (rss_rows[0]["rss"] if rss_rows else {})
         },
+        "heap_bytes_per_1k_frames": heap_slopes,
+        "heap_first_last": {
+            name: [heap_rows[0]["heap"][name], heap_rows[-1]["heap"][name]]
+            for name in (heap_rows[0]["heap"] if heap_rows else {})
+        },
+        "object_types": _type_growth(types_at_warm, heap_end),
+        "trace_top": {
+            "engine_core": heap_end.get("engine_core", {}).get("trace_top"),
+            "workers": [w.get("trace_top") for w in heap_end.get("workers", [])],
+        },
         "latency_ms": {
             "first_tenth": _quantiles([r["latency_ms"] for r in records[:tenth]]),
             "last_tenth": _quantiles([r["latency_ms"] for r in records[-tenth:]]),
@@ -239,6 +269,43 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         },
         "pool": {"usable_blocks": usable, "free_before": free0, "leaked_after_close": leaked},
     }
+
+
+def _heap_row(stats: dict[str, Any]) -> dict[str, int]:
+    """Flatten heap_stats into numbers: per process, RSS, malloc in use / free, Python objects."""
+    row: dict[str, int] = {}
+    procs = [("engine_core", stats["engine_core"])] + [
+        (f"worker{i}", w) for i, w in enumerate(stats["workers"])
+    ]
+    for name, st in procs:
+        row[f"{name}.rss"] = int(st["rss_bytes"] or 0)
+        row[f"{name}.objects"] = int(st["python_objects"])
+        if st["malloc"]:
+            row[f"{name}.malloc_in_use"] = st["malloc"]["in_use"]
+            row[f"{name}.malloc_free"] = st["malloc"]["free_in_arenas"]
+    return row
+
+
+def _type_growth(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Per process: object counts of the most common types at warm-up and at the end."""
+    out: dict[str, Any] = {}
+    pairs = [("engine_core", before.get("engine_core"), after.get("engine_core"))]
+    pairs += [
+        (f"worker{i}", b, a)
+        for i, (b, a) in enumerate(
+            zip(before.get("workers", []), after.get("workers", []), strict=False)
+        )
+    ]
+    for name, b, a in pairs:
+        if not b or not a or "types" not in b or "types" not in a:
+            continue
+        names = sorted(set(b["types"]) | set(a["types"]))
+        out[name] = {
+            t: [b["types"].get(t), a["types"].get(t)]
+            for t in names
+            if b["types"].get(t) != a["types"].get(t)
+        }
+    return out
 
 
 def _jpeg(seed: int) -> bytes:
@@ -328,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--window", type=int, default=4)
     soak.add_argument("--max-tokens", type=int, default=4)
     soak.add_argument("--rss-every", type=int, default=25)
+    soak.add_argument(
+        "--heap-every", type=int, default=250, help="malloc/object sampling period; 0: off"
+    )
+    soak.add_argument(
+        "--trace", action="store_true", help="tracemalloc from warm-up on (slow; diagnostics)"
+    )
     load = sub.add_parser("load")
     load.add_argument("--sessions", type=int, default=32)
     load.add_argument("--frames", type=int, default=100)

@@ -276,16 +276,17 @@ class SessionHub:
             raise raise_after
 
     async def retention_state(self, record: SessionRecord, last_turn: Usage) -> RetentionState:
-        from retention.vllm_adapter.introspect import kv_stats, retention_state
+        from retention.vllm_adapter.introspect import session_summary
 
         sid = record.protocol.session_id
         es = record.engine_session
         held = 0
         state: dict[str, Any] | None = None
         with contextlib.suppress(Exception):
-            stats = await kv_stats(self.engine)
-            held = int(stats["blocks_by_request"].get(sid, 0))
-            state = await retention_state(self.engine, sid)
+            summary = await session_summary(self.engine, sid)
+            if summary is not None:
+                held = int(summary["kv_blocks_held"])
+                state = summary["retention"]
         if state is None:
             return RetentionState(
                 frames_retained=es.chunks,

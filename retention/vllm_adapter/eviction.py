@@ -296,12 +296,10 @@ class SessionRetention:
 
     # -- introspection
 
-    def describe(self, request: Any) -> dict[str, Any]:
+    def summary(self, request: Any) -> dict[str, Any]:
+        """The counters only, cheap enough for every frame (the server reports them per reply)."""
         state = self.sessions[request.request_id]
         h = state.history
-        positions: list[int] = []
-        for seg in h.segments:
-            positions.extend(range(seg.position_start, seg.position_start + seg.num_tokens))
         return {
             "segments": len(h.segments),
             # Whole chunks held; remnants (tokens of a dropped chunk that share a block with a
@@ -313,6 +311,17 @@ class SessionRetention:
             "tokens_held": h.num_tokens,
             "evictions": h.evictions_total,
             "consolidations": h.consolidations_total,
+        }
+
+    def describe(self, request: Any) -> dict[str, Any]:
+        """`summary` plus per-token detail, for tests and benchmarks."""
+        state = self.sessions[request.request_id]
+        h = state.history
+        positions: list[int] = []
+        for seg in h.segments:
+            positions.extend(range(seg.position_start, seg.position_start + seg.num_tokens))
+        return {
+            **self.summary(request),
             "position_cursor": h.next_position(),
             "blocks_freed_total": state.blocks_freed_total,
             "fold": state.fold,
