@@ -7,7 +7,11 @@
 after frame, it records the reply latency, the KV blocks the session holds and the resident
 memory of the server process, the EngineCore and its worker; it reports their slopes (a bounded
 session has ~0 slope) and the latency of the first and last tenth. Bounded by `--frames` and
-`--max-seconds`, whichever comes first.
+`--max-seconds`, whichever comes first. Every `--heap-every` frames it also reads, in EngineCore
+and the worker, glibc's bytes in use vs free (`mallinfo2`) and the live Python objects, which
+tell a leak from allocator retention; `--trace` adds tracemalloc (all three processes) from the
+warm-up tenth on and reports the allocation sites that grew most. `--control N` is the same
+traffic without retention, a fresh (unbounded) session every N frames: vLLM's own growth.
 
 `load`: `--sessions` concurrent video sessions × `--frames` frames on the tiny VLM: every reply
 must carry its own session's frame_id, no error, and every KV block back after.
@@ -28,6 +32,7 @@ import socket
 import statistics
 import sys
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +158,42 @@ def _engine_settings(model: str, **over: Any) -> Any:
     return EngineSettings(model=model, **{**base, **over})
 
 
+async def _soak_frame(ws: Any, i: int) -> dict[str, Any]:
+    """Send frame i, wait for its response.done; its latency and retention figures."""
+    text = f"Reading {i}: the meter shows {(i * 7919) % 1000}. Is it high?"
+    sent = time.perf_counter()
+    await ws.send(json.dumps({"type": "frame.append", "text": text}))
+    seen = await _recv_until(ws, "response.done")
+    latency = (time.perf_counter() - sent) * 1e3
+    done = seen[-1]
+    errors = [e for e in seen if e["type"] == "error"]
+    if errors or done["status"] not in ("completed", "incomplete"):
+        raise RuntimeError(f"frame {i}: {done} {errors}")
+    return {
+        "i": i,
+        "latency_ms": latency,
+        "kv_blocks": done["retention"]["kv_blocks_held"],
+        "tokens": done["retention"]["tokens_retained"],
+        "evicted": done["retention"]["frames_evicted"],
+        "consolidations": done["retention"]["consolidations"],
+    }
+
+
+async def _heap_end(
+    engine: Any, local_baseline: tracemalloc.Snapshot | None, trace: bool
+) -> dict[str, Any]:
+    from retention.vllm_adapter.introspect import heap_stats
+
+    heap_end = await heap_stats(engine, "trace_top" if trace else "types")
+    if local_baseline is not None:
+        diffs = tracemalloc.take_snapshot().compare_to(local_baseline, "traceback")
+        heap_end["server_trace_top"] = [
+            {"stack": [str(f) for f in d.traceback], "size_diff": d.size_diff} for d in diffs[:15]
+        ]
+        tracemalloc.stop()
+    return heap_end
+
+
 async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     import websockets
 
@@ -163,60 +204,50 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     warm_frame = args.frames // 10
     types_at_warm: dict[str, Any] = {}
     heap_end: dict[str, Any] = {}
+    local_baseline: tracemalloc.Snapshot | None = None
     started = time.perf_counter()
     async with serve(settings, "smollm2-135m-instruct", max_sessions=2) as srv:
         hub = srv["hub"]
         free0, usable = await _pool(hub)
-        async with websockets.connect(srv["url"], subprotocols=["vllm-realtime"]) as ws:
-            await ws.recv()
-            await ws.send(
-                json.dumps(
-                    {
-                        "type": "session.open",
-                        "modality": "text",
-                        "instructions": "Answer with one word.",
-                        "retention": {"sink_chunks": 1, "window_chunks": args.window},
-                        "sampling": {"max_tokens": args.max_tokens},
-                    }
-                )
-            )
-            opened = json.loads(await ws.recv())
-            assert opened["type"] == "session.opened", opened
-            t0 = time.perf_counter()
-            for i in range(args.frames):
-                if time.perf_counter() - t0 > args.max_seconds:
-                    break
-                text = f"Reading {i}: the meter shows {(i * 7919) % 1000}. Is it high?"
-                sent = time.perf_counter()
-                await ws.send(json.dumps({"type": "frame.append", "text": text}))
-                seen = await _recv_until(ws, "response.done")
-                latency = (time.perf_counter() - sent) * 1e3
-                done = seen[-1]
-                errors = [e for e in seen if e["type"] == "error"]
-                if errors or done["status"] not in ("completed", "incomplete"):
-                    raise RuntimeError(f"frame {i}: {done} {errors}")
-                rec: dict[str, Any] = {
-                    "i": i,
-                    "latency_ms": latency,
-                    "kv_blocks": done["retention"]["kv_blocks_held"],
-                    "tokens": done["retention"]["tokens_retained"],
-                    "evicted": done["retention"]["frames_evicted"],
-                    "consolidations": done["retention"]["consolidations"],
+        retention = None if args.control else {"sink_chunks": 1, "window_chunks": args.window}
+        per_session = args.control or args.frames
+        t0 = time.perf_counter()
+        i = 0
+        while i < args.frames and time.perf_counter() - t0 <= args.max_seconds:
+            last = min(args.frames, i + per_session)
+            async with websockets.connect(srv["url"], subprotocols=["vllm-realtime"]) as ws:
+                await ws.recv()
+                opening: dict[str, Any] = {
+                    "type": "session.open",
+                    "modality": "text",
+                    "instructions": "Answer with one word.",
+                    "sampling": {"max_tokens": args.max_tokens},
                 }
-                if i % args.rss_every == 0:
-                    rec["rss"] = _rss(srv["processes"])
-                if args.heap_every and i % args.heap_every == 0:
-                    rec["heap"] = _heap_row(await heap_stats(srv["engine"]))
-                if i == warm_frame:
-                    types_at_warm = await heap_stats(srv["engine"], "types")
-                    if args.trace:
-                        await heap_stats(srv["engine"], "trace_start")
-                records.append(rec)
-            # Before close: the session's own state is still live here.
-            heap_end = await heap_stats(srv["engine"], "trace_top" if args.trace else "types")
-            await ws.send(json.dumps({"type": "session.close"}))
-            with contextlib.suppress(websockets.exceptions.ConnectionClosed):
-                await _recv_until(ws, "session.closed")
+                if retention is not None:
+                    opening["retention"] = retention
+                await ws.send(json.dumps(opening))
+                opened = json.loads(await ws.recv())
+                assert opened["type"] == "session.opened", opened
+                while i < last and time.perf_counter() - t0 <= args.max_seconds:
+                    records.append(await _soak_frame(ws, i))
+                    rec = records[-1]
+                    if i % args.rss_every == 0:
+                        rec["rss"] = _rss(srv["processes"])
+                    if args.heap_every and i % args.heap_every == 0:
+                        rec["heap"] = _heap_row(await heap_stats(srv["engine"]))
+                    if i == warm_frame:
+                        types_at_warm = await heap_stats(srv["engine"], "types")
+                        if args.trace:
+                            await heap_stats(srv["engine"], "trace_start")
+                            tracemalloc.start(8)  # this process: server and soak client
+                            local_baseline = tracemalloc.take_snapshot()
+                    i += 1
+                if i >= args.frames or time.perf_counter() - t0 > args.max_seconds:
+                    # Before the last close: the session's own state is still live here.
+                    heap_end = await _heap_end(srv["engine"], local_baseline, args.trace)
+                await ws.send(json.dumps({"type": "session.close"}))
+                with contextlib.suppress(websockets.exceptions.ConnectionClosed):
+                    await _recv_until(ws, "session.closed")
         leaked = await _wait_pool_free(hub)
         if args.trace:
             heap_end["types_after"] = await heap_stats(srv["engine"], "types")
@@ -238,7 +269,8 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         "mode": "soak",
         "frames": n,
         "seconds": round(time.perf_counter() - started, 1),
-        "retention": {"sink_chunks": 1, "window_chunks": args.window},
+        "retention": retention,
+        "frames_per_session": per_session,
         "kv_blocks": {
             "min": min(r["kv_blocks"] for r in records),
             "max": max(r["kv_blocks"] for r in records),
@@ -253,6 +285,12 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             for name in (rss_rows[0]["rss"] if rss_rows else {})
         },
         "heap_bytes_per_1k_frames": heap_slopes,
+        # Every sample, to see whether growth levels off: [frame, worker in use, worker RSS].
+        "heap_series": [
+            [r["i"], r["heap"].get("worker0.malloc_in_use"), r["heap"].get("worker0.rss")]
+            for r in records
+            if "heap" in r
+        ],
         "heap_first_last": {
             name: [heap_rows[0]["heap"][name], heap_rows[-1]["heap"][name]]
             for name in (heap_rows[0]["heap"] if heap_rows else {})
@@ -261,6 +299,7 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         "trace_top": {
             "engine_core": heap_end.get("engine_core", {}).get("trace_top"),
             "workers": [w.get("trace_top") for w in heap_end.get("workers", [])],
+            "server": heap_end.get("server_trace_top"),
         },
         "latency_ms": {
             "first_tenth": _quantiles([r["latency_ms"] for r in records[:tenth]]),
@@ -397,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     soak.add_argument("--rss-every", type=int, default=25)
     soak.add_argument(
         "--heap-every", type=int, default=250, help="malloc/object sampling period; 0: off"
+    )
+    soak.add_argument(
+        "--control",
+        type=int,
+        default=0,
+        help="control run: no retention, a new session every N frames (0: one bounded session)",
     )
     soak.add_argument(
         "--trace", action="store_true", help="tracemalloc from warm-up on (slow; diagnostics)"

@@ -19,6 +19,7 @@ from typing import Any
 
 from protocol import ContextExceeded, EngineError, Frame, SessionConfig
 from realtime.media import decode_clip, decode_image
+from retention.policy import REQUEST_ARGS_KEY
 
 # Prefix of the stop_reason that RetentionScheduler gives a session it ended for length.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -90,6 +91,8 @@ class EngineSession:
         self._inputs: asyncio.Queue[object] = asyncio.Queue()
         self._outputs: AsyncIterator[Any] | None = None
         self._sampling_params = sampling_params
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        self.bounded = REQUEST_ARGS_KEY in extra
         self.prompt_tokens_total = 0
         self.completion_tokens_total = 0
         self.chunks = 0
@@ -152,9 +155,14 @@ class EngineSession:
                     f"the engine ended this session ({getattr(completion_out, 'finish_reason', None)})"
                 )
             if completion_out is not None and completion_out.finish_reason is not None:
-                cumulative = len(out.prompt_token_ids or [])
-                prompt_tokens = max(0, cumulative - self.prompt_tokens_total)
-                self.prompt_tokens_total = cumulative
+                if self.bounded:
+                    # The front end keeps only this chunk's prompt for a bounded session
+                    # (retention/vllm_adapter/streaming.py, e).
+                    prompt_tokens = len(out.prompt_token_ids or [])
+                else:
+                    cumulative = len(out.prompt_token_ids or [])
+                    prompt_tokens = max(0, cumulative - self.prompt_tokens_total)
+                self.prompt_tokens_total += prompt_tokens
                 self.completion_tokens_total += completion
                 self.chunks += 1
                 now = time.perf_counter()

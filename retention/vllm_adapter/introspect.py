@@ -72,27 +72,36 @@ HEAP_STATS_METHOD = "vllm_realtime_heap_stats"
 _TRACE_BASELINE: list[Any] = []  # the tracemalloc snapshot "trace_top" compares against
 
 
+_MALLINFO: list[Any] = []  # [libc.mallinfo2], bound once (a ctypes type per call would leak)
+
+
 def _malloc_info() -> dict[str, int] | None:
     """glibc's own accounting (mallinfo2): bytes in use vs held free, to tell a leak (in use
     grows) from allocator retention (RSS grows, in use flat). None off glibc."""
     import ctypes
     import ctypes.util
 
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [
-            (name, ctypes.c_size_t)
-            for name in (
-                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                "fsmblks", "uordblks", "fordblks", "keepcost",
-            )
-        ]  # fmt: skip
+    if not _MALLINFO:
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [
+                (name, ctypes.c_size_t)
+                for name in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                    "fsmblks", "uordblks", "fordblks", "keepcost",
+                )
+            ]  # fmt: skip
+
+        bound: Any = None
+        try:
+            bound = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+            bound.restype = MallInfo2
+        except (OSError, AttributeError):
+            bound = None
+        _MALLINFO.append(bound)
+    fn = _MALLINFO[0]
+    if fn is None:
         return None
-    fn.restype = MallInfo2
     info = fn()
     return {
         "in_use": int(info.uordblks + info.hblkhd),  # live small chunks + live mmapped chunks
@@ -125,10 +134,14 @@ def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, A
         _TRACE_BASELINE[:] = [tracemalloc.take_snapshot()]
     elif action == "trace_top" and _TRACE_BASELINE and tracemalloc.is_tracing():
         snapshot = tracemalloc.take_snapshot()
-        diffs = snapshot.compare_to(_TRACE_BASELINE[0], "lineno")
+        diffs = snapshot.compare_to(_TRACE_BASELINE[0], "traceback")
         out["traced_bytes"] = tracemalloc.get_traced_memory()[0]
         out["trace_top"] = [
-            {"site": str(d.traceback[0]), "size_diff": d.size_diff, "count_diff": d.count_diff}
+            {
+                "stack": [str(f) for f in d.traceback],  # outermost frame first
+                "size_diff": d.size_diff,
+                "count_diff": d.count_diff,
+            }
             for d in diffs[:top]
         ]
     return out

@@ -52,6 +52,14 @@ d. A zero-chunk stream ends cleanly: as in vLLM, STREAM_FINISHED is delivered an
    sent to EngineCore (the `[0]` end-of-stream request is built only for validation). The
    end-of-stream request of a session that is already over is not sent at all.
 
+e. A bounded session's front-end state stays bounded. vLLM's `RequestState` appends every
+   chunk's prompt text and token ids to the session's (`apply_streaming_update`), for the
+   session's whole life, while EngineCore holds only the retained window: about 0.7 KB per
+   chunk in the soak (tracemalloc, bench/soak.py --trace). For sessions with retention
+   (`streaming_retention` in extra_args) the front end keeps only the current chunk's prompt,
+   so their `RequestOutput.prompt_token_ids` is that chunk's ids; other sessions keep vLLM's
+   cumulative prompt.
+
 Requests that are not streaming sessions take none of these paths: they get vLLM's own
 collector from vLLM's own `add_request`; the abort wrapper finds no input-stream task for them
 and the output wrapper looks only at ABORT/ERROR outputs of sessions whose stream is open.
@@ -72,7 +80,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from vllm.outputs import STREAM_FINISHED, PoolingRequestOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine.output_processor import RequestOutputCollector
+from vllm.v1.engine.output_processor import RequestOutputCollector, RequestState
+
+from retention.policy import REQUEST_ARGS_KEY
 
 if TYPE_CHECKING:
     from vllm.engine.protocol import StreamingInput
@@ -437,6 +447,35 @@ def _make_process_outputs(original: ProcessOutputsFn) -> ProcessOutputsFn:
     return process_outputs
 
 
+_BOUNDED_ATTR: Final = "_vllm_realtime_bounded_session"
+
+
+def _make_add_request(original: Callable[..., None]) -> Callable[..., None]:
+    def add_request(
+        self: OutputProcessor, request: EngineCoreRequest, *args: Any, **kw: Any
+    ) -> None:
+        original(self, request, *args, **kw)
+        params = request.sampling_params
+        if params is not None and params.extra_args and REQUEST_ARGS_KEY in params.extra_args:
+            state = self.request_states.get(request.request_id)
+            if state is not None:
+                setattr(state, _BOUNDED_ATTR, True)
+
+    return add_request
+
+
+def _make_apply_streaming_update(original: Callable[..., None]) -> Callable[..., None]:
+    def apply_streaming_update(self: RequestState, update: Any) -> None:
+        if getattr(self, _BOUNDED_ATTR, False):
+            # (e) vLLM would append this chunk to the whole session's prompt; with no prompt
+            # held, it takes the chunk's own text and ids instead.
+            self.prompt = None
+            self.prompt_token_ids = None
+        original(self, update)
+
+    return apply_streaming_update
+
+
 def install_streaming_hardening() -> None:
     """Idempotently patch AsyncLLM and OutputProcessor (vLLM 0.32) as described above."""
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -450,4 +489,9 @@ def install_streaming_hardening() -> None:
     AsyncLLM.abort = _make_abort(AsyncLLM.abort)
     # (b) engine-side ABORT/ERROR is terminal for a streaming session.
     OutputProcessor.process_outputs = _make_process_outputs(OutputProcessor.process_outputs)
+    # (e) bounded sessions keep only the current chunk's prompt in the front end.
+    OutputProcessor.add_request = _make_add_request(OutputProcessor.add_request)
+    RequestState.apply_streaming_update = _make_apply_streaming_update(
+        RequestState.apply_streaming_update
+    )
     setattr(AsyncLLM, _INSTALLED_ATTR, True)

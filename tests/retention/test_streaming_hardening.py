@@ -13,7 +13,9 @@ e. folding chunks re-hashes the session's blocks correctly: a second request wit
    prefix gets exactly the KV a cold request computes (0.32 is correct here; no salt needed);
 f. a session that would outgrow max_model_len gets a clear error; the engine and every other
    session live on (stock 0.32: the worker crashes and the whole engine dies);
-g. data parallelism: see `test_g_data_parallel_sticky_routing_is_refused_here`.
+g. data parallelism: see `test_g_data_parallel_sticky_routing_is_refused_here`;
+h. a bounded session's front-end prompt state stays one chunk long (stock 0.32 appends every
+   chunk's text and ids to it for the session's life).
 
 The fixes live in retention/vllm_adapter/streaming.py (front end, installed by the plugin) and
 retention/vllm_adapter/scheduler.py (`RetentionScheduler`, in EngineCore).
@@ -170,6 +172,47 @@ async def test_a_chunk_boundaries_survive_a_slow_consumer(smollm2_engine: Any) -
 
 async def _no_frontend_state(engine: Any, external_id: str) -> bool:
     return external_id not in engine.output_processor.external_req_ids
+
+
+# --------------------------------------------------------------------------- h
+
+
+async def test_h_bounded_session_front_end_keeps_only_the_current_chunk(
+    smollm2_engine: Any,
+) -> None:
+    """h. Stock 0.32's `RequestState.apply_streaming_update` appends every chunk's prompt to the
+    session's, so the front end's copy grows for the session's whole life (seen: ~0.7 KB per
+    chunk in bench/soak.py --trace) while the engine keeps a bounded window. With retention,
+    the front end holds the current chunk only; without it, vLLM's cumulative prompt stays."""
+    engine = smollm2_engine
+    lengths = [9, 5, 7, 6, 8]
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for label, extra in (
+        ("bounded", {"streaming_retention": {"sink_chunks": 1, "window_chunks": 2}}),
+        ("plain", None),
+    ):
+        rid = unique_id(f"h-{label}")
+        queue: asyncio.Queue[StreamingInput | None] = asyncio.Queue()
+
+        async def inputs(q: asyncio.Queue[StreamingInput | None] = queue) -> Any:
+            while (item := await q.get()) is not None:
+                yield item
+
+        gen = engine.generate(inputs(), stream_params(2, extra_args=extra), rid)
+        rows = []
+        for i, n in enumerate(lengths):
+            queue.put_nowait(chunk(token_ids(n, seed=900 + i)))
+            _, out = await read_to_boundary(gen)
+            state = engine.output_processor.request_states[internal_id_of(engine, rid)]
+            rows.append((len(out.prompt_token_ids or []), len(state.prompt_token_ids or [])))
+        queue.put_nowait(None)
+        async for _ in gen:
+            pass
+        seen[label] = rows
+    assert seen["bounded"] == [(n, n) for n in lengths], seen
+    cumulative = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+    assert seen["plain"] == [(c, c) for c in cumulative], seen
+    await assert_engine_idle(engine)
 
 
 # --------------------------------------------------------------------------- b

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from realtime.models import model_dir
-from retention.vllm_adapter.introspect import kv_stats, retention_state
+from retention.vllm_adapter.introspect import kv_stats, retention_state, session_summary
 
 pytestmark = pytest.mark.slow
 
@@ -223,6 +223,8 @@ async def test_plain_streaming_requests_take_no_retention_path(smollm2_engine: A
 
     async for _ in smollm2_engine.generate(chunks(), SamplingParams(max_tokens=1), request_id=rid):
         assert await retention_state(smollm2_engine, rid) is None
+        summary = await session_summary(smollm2_engine, rid)
+        assert summary is None or summary["retention"] is None
 
 
 async def test_endurance_2000_chunks_bounded_blocks_and_no_leak(
@@ -251,6 +253,12 @@ async def test_endurance_2000_chunks_bounded_blocks_and_no_leak(
         state = await retention_state(smollm2_engine, session.request_id)
         assert state is not None and state["position_cursor"] <= 8000
         assert state["evictions"] > 100
+        # The per-frame summary the server reports agrees with the full introspection.
+        summary = await session_summary(smollm2_engine, session.request_id)
+        assert summary is not None and summary["retention"] is not None
+        assert summary["retention"] == {k: state[k] for k in summary["retention"]}
+        held = (await kv_stats(smollm2_engine))["blocks_by_request"][session.request_id]
+        assert summary["kv_blocks_held"] == held
     finally:
         await session.close()
     # Sinks (~4 tokens) + window of 4 tiny chunks + remnants: a handful of 32-token blocks.
