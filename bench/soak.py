@@ -236,6 +236,7 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                     if args.heap_every and i % args.heap_every == 0:
                         rec["heap"] = _heap_row(await heap_stats(srv["engine"]))
                     if i == warm_frame:
+                        await heap_stats(srv["engine"], "steps_start")
                         types_at_warm = await heap_stats(srv["engine"], "types")
                         if args.trace:
                             await heap_stats(srv["engine"], "trace_start")
@@ -285,9 +286,14 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             for name in (rss_rows[0]["rss"] if rss_rows else {})
         },
         "heap_bytes_per_1k_frames": heap_slopes,
-        # Every sample, to see whether growth levels off: [frame, worker in use, worker RSS].
+        # Every sample, to see whether growth levels off: [frame, worker in use, RSS, step sizes].
         "heap_series": [
-            [r["i"], r["heap"].get("worker0.malloc_in_use"), r["heap"].get("worker0.rss")]
+            [
+                r["i"],
+                r["heap"].get("worker0.malloc_in_use"),
+                r["heap"].get("worker0.rss"),
+                r["heap"].get("worker0.distinct_step_sizes"),
+            ]
             for r in records
             if "heap" in r
         ],
@@ -319,6 +325,8 @@ def _heap_row(stats: dict[str, Any]) -> dict[str, int]:
     for name, st in procs:
         row[f"{name}.rss"] = int(st["rss_bytes"] or 0)
         row[f"{name}.objects"] = int(st["python_objects"])
+        if "distinct_step_sizes" in st:
+            row[f"{name}.distinct_step_sizes"] = int(st["distinct_step_sizes"])
         if st["malloc"]:
             row[f"{name}.malloc_in_use"] = st["malloc"]["in_use"]
             row[f"{name}.malloc_free"] = st["malloc"]["free_in_arenas"]

@@ -111,11 +111,26 @@ def _malloc_info() -> dict[str, int] | None:
     }
 
 
+_STEP_SIZES: set[int] = set()  # distinct scheduled-token counts per step, after "steps_start"
+
+
+def _count_step_sizes(runner: Any) -> None:
+    """Record every step's token count (vLLM's CPU matmuls keep state per distinct count)."""
+    original = runner.execute_model
+    _STEP_SIZES.add(-1)  # marker: counting is on
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        _STEP_SIZES.add(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
+        return original(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_model
+
+
 def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, Any]:
     """Memory diagnostics of this process (EngineCore or a worker), for bench/soak.py.
 
     "read": RSS, malloc accounting, live Python objects. "types": also the most common object
-    types. "trace_start": start tracemalloc and keep a baseline (slows allocation: diagnostic
+    types. "steps_start" (worker): from now on, count the distinct step sizes. "trace_start": start tracemalloc and keep a baseline (slows allocation: diagnostic
     runs only). "trace_top": the allocation sites grown most since the baseline.
     """
     import gc
@@ -123,6 +138,11 @@ def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, A
     from collections import Counter
 
     out: dict[str, Any] = {"rss_bytes": _rss_bytes(), "malloc": _malloc_info()}
+    runner = getattr(_owner, "model_runner", None)
+    if action == "steps_start" and runner is not None and not _STEP_SIZES:
+        _count_step_sizes(runner)
+    if _STEP_SIZES:
+        out["distinct_step_sizes"] = len(_STEP_SIZES) - 1  # minus the marker
     objects = gc.get_objects()
     out["python_objects"] = len(objects)
     if action == "types":
