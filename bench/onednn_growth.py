@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from vllm import _custom_ops as ops
 
-    from retention.vllm_adapter.introspect import _malloc_info
+    from retention.vllm_adapter.introspect import malloc_info
 
     def in_use() -> int:
-        info = _malloc_info()
+        info = malloc_info()
         assert info is not None, "needs glibc (mallinfo2)"
         return info["in_use"]
 

@@ -184,7 +184,9 @@ async def _heap_end(
 ) -> dict[str, Any]:
     from retention.vllm_adapter.introspect import heap_stats
 
-    heap_end = await heap_stats(engine, "trace_top" if trace else "types")
+    heap_end = await heap_stats(engine, "types")
+    if trace:
+        heap_end["trace"] = await heap_stats(engine, "trace_top")
     if local_baseline is not None:
         diffs = tracemalloc.take_snapshot().compare_to(local_baseline, "traceback")
         heap_end["server_trace_top"] = [
@@ -250,22 +252,12 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                 with contextlib.suppress(websockets.exceptions.ConnectionClosed):
                     await _recv_until(ws, "session.closed")
         leaked = await _wait_pool_free(hub)
-        if args.trace:
-            heap_end["types_after"] = await heap_stats(srv["engine"], "types")
     n = len(records)
     warm = records[n // 10 :] or records  # skip the warm-up tenth
     xs = [float(r["i"]) for r in warm]
     tenth = max(1, n // 10)
-    rss_rows = [r for r in warm if "rss" in r]
-    heap_rows = [r for r in warm if "heap" in r]
-    heap_slopes = {
-        name: round(slope([r["i"] for r in heap_rows], [r["heap"][name] for r in heap_rows]) * 1000)
-        for name in (heap_rows[0]["heap"] if heap_rows else {})
-    }
-    rss_slopes = {
-        name: round(slope([r["i"] for r in rss_rows], [r["rss"][name] for r in rss_rows]) * 1000)
-        for name in (rss_rows[0]["rss"] if rss_rows else {})
-    }
+    rss_slopes, rss_first_last = _per_1k_and_ends(warm, "rss")
+    heap_slopes, heap_first_last = _per_1k_and_ends(warm, "heap")
     return {
         "mode": "soak",
         "frames": n,
@@ -281,10 +273,7 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         "frames_evicted": records[-1]["evicted"],
         "consolidations": records[-1]["consolidations"],
         "rss_bytes_per_1k_frames": rss_slopes,
-        "rss_first_last": {
-            name: [rss_rows[0]["rss"][name], rss_rows[-1]["rss"][name]]
-            for name in (rss_rows[0]["rss"] if rss_rows else {})
-        },
+        "rss_first_last": rss_first_last,
         "heap_bytes_per_1k_frames": heap_slopes,
         # Every sample, to see whether growth levels off: [frame, worker in use, RSS, step sizes].
         "heap_series": [
@@ -297,14 +286,11 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             for r in records
             if "heap" in r
         ],
-        "heap_first_last": {
-            name: [heap_rows[0]["heap"][name], heap_rows[-1]["heap"][name]]
-            for name in (heap_rows[0]["heap"] if heap_rows else {})
-        },
+        "heap_first_last": heap_first_last,
         "object_types": _type_growth(types_at_warm, heap_end),
         "trace_top": {
-            "engine_core": heap_end.get("engine_core", {}).get("trace_top"),
-            "workers": [w.get("trace_top") for w in heap_end.get("workers", [])],
+            "engine_core": heap_end.get("trace", {}).get("engine_core", {}).get("trace_top"),
+            "workers": [w.get("trace_top") for w in heap_end.get("trace", {}).get("workers", [])],
             "server": heap_end.get("server_trace_top"),
         },
         "latency_ms": {
@@ -314,6 +300,19 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
         },
         "pool": {"usable_blocks": usable, "free_before": free0, "leaked_after_close": leaked},
     }
+
+
+def _per_1k_and_ends(
+    records: list[dict[str, Any]], key: str
+) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """For the records sampled under `key` ("rss" or "heap"): each figure's slope per 1,000
+    frames, and its first and last value."""
+    rows = [r for r in records if key in r]
+    names = rows[0][key] if rows else {}
+    xs = [float(r["i"]) for r in rows]
+    slopes = {n: round(slope(xs, [r[key][n] for r in rows]) * 1000) for n in names}
+    ends = {n: [rows[0][key][n], rows[-1][key][n]] for n in names}
+    return slopes, ends
 
 
 def _heap_row(stats: dict[str, Any]) -> dict[str, int]:

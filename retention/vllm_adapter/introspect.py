@@ -12,6 +12,23 @@ from typing import Any
 KV_STATS_METHOD = "vllm_realtime_kv_stats"
 
 
+def _external_id(internal_id: str) -> str:
+    # Internal ids are "<external id>-<8 random chars>" (InputProcessor.assign_request_id).
+    return internal_id.rsplit("-", 1)[0]
+
+
+def _blocks_held(blocks: Any) -> int:
+    return sum(1 for b in blocks if not b.is_null)
+
+
+def _find_request(scheduler: Any, external_id: str) -> tuple[str, Any] | None:
+    """(internal id, Request) of the scheduler's request for this external id, if any."""
+    for internal_id, request in scheduler.requests.items():
+        if _external_id(internal_id) == external_id:
+            return internal_id, request
+    return None
+
+
 def _kv_stats(core: Any) -> dict[str, Any]:
     scheduler = core.scheduler
     kv = scheduler.kv_cache_manager
@@ -20,10 +37,8 @@ def _kv_stats(core: Any) -> dict[str, Any]:
     per_request: dict[str, int] = {}
     for manager in managers:
         for internal_id, blocks in manager.req_to_blocks.items():
-            # Internal ids are "<external id>-<8 random chars>" (InputProcessor.assign_request_id).
-            external = internal_id.rsplit("-", 1)[0]
-            held = sum(1 for b in blocks if not b.is_null)
-            per_request[external] = per_request.get(external, 0) + held
+            external = _external_id(internal_id)
+            per_request[external] = per_request.get(external, 0) + _blocks_held(blocks)
     encoder = getattr(scheduler, "encoder_cache_manager", None)
     return {
         "num_free_blocks": int(pool.get_num_free_blocks()),
@@ -56,7 +71,7 @@ WORKER_STATS_METHOD = "vllm_realtime_worker_stats"
 def _worker_stats(worker: Any) -> dict[str, Any]:
     runner = worker.model_runner
     mrope_columns = {
-        req_id.rsplit("-", 1)[0]: int(state.mrope_positions.shape[1])
+        _external_id(req_id): int(state.mrope_positions.shape[1])
         for req_id, state in runner.requests.items()
         if getattr(state, "mrope_positions", None) is not None
     }
@@ -69,19 +84,18 @@ def _worker_stats(worker: Any) -> dict[str, Any]:
 
 
 HEAP_STATS_METHOD = "vllm_realtime_heap_stats"
-_TRACE_BASELINE: list[Any] = []  # the tracemalloc snapshot "trace_top" compares against
+# Per-process diagnostic state: "mallinfo2" (bound once: a ctypes type per call would leak),
+# "trace_baseline" (the snapshot "trace_top" compares against), "step_sizes" (once counting).
+_DIAGNOSTICS: dict[str, Any] = {}
 
 
-_MALLINFO: list[Any] = []  # [libc.mallinfo2], bound once (a ctypes type per call would leak)
-
-
-def _malloc_info() -> dict[str, int] | None:
+def malloc_info() -> dict[str, int] | None:
     """glibc's own accounting (mallinfo2): bytes in use vs held free, to tell a leak (in use
     grows) from allocator retention (RSS grows, in use flat). None off glibc."""
     import ctypes
     import ctypes.util
 
-    if not _MALLINFO:
+    if "mallinfo2" not in _DIAGNOSTICS:
 
         class MallInfo2(ctypes.Structure):
             _fields_ = [
@@ -98,8 +112,8 @@ def _malloc_info() -> dict[str, int] | None:
             bound.restype = MallInfo2
         except (OSError, AttributeError):
             bound = None
-        _MALLINFO.append(bound)
-    fn = _MALLINFO[0]
+        _DIAGNOSTICS["mallinfo2"] = bound
+    fn = _DIAGNOSTICS["mallinfo2"]
     if fn is None:
         return None
     info = fn()
@@ -111,16 +125,14 @@ def _malloc_info() -> dict[str, int] | None:
     }
 
 
-_STEP_SIZES: set[int] = set()  # distinct scheduled-token counts per step, after "steps_start"
-
-
 def _count_step_sizes(runner: Any) -> None:
     """Record every step's token count (vLLM's CPU matmuls keep state per distinct count)."""
+    sizes: set[int] = set()
+    _DIAGNOSTICS["step_sizes"] = sizes
     original = runner.execute_model
-    _STEP_SIZES.add(-1)  # marker: counting is on
 
     def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        _STEP_SIZES.add(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
+        sizes.add(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
         return original(scheduler_output, *args, **kwargs)
 
     runner.execute_model = execute_model
@@ -130,19 +142,20 @@ def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, A
     """Memory diagnostics of this process (EngineCore or a worker), for bench/soak.py.
 
     "read": RSS, malloc accounting, live Python objects. "types": also the most common object
-    types. "steps_start" (worker): from now on, count the distinct step sizes. "trace_start": start tracemalloc and keep a baseline (slows allocation: diagnostic
-    runs only). "trace_top": the allocation sites grown most since the baseline.
+    types. "steps_start" (worker): from now on, count the distinct step sizes. "trace_start":
+    start tracemalloc and keep a baseline (slows allocation: diagnostic runs only).
+    "trace_top": the allocation sites grown most since the baseline.
     """
     import gc
     import tracemalloc
     from collections import Counter
 
-    out: dict[str, Any] = {"rss_bytes": _rss_bytes(), "malloc": _malloc_info()}
+    out: dict[str, Any] = {"rss_bytes": _rss_bytes(), "malloc": malloc_info()}
     runner = getattr(_owner, "model_runner", None)
-    if action == "steps_start" and runner is not None and not _STEP_SIZES:
+    if action == "steps_start" and runner is not None and "step_sizes" not in _DIAGNOSTICS:
         _count_step_sizes(runner)
-    if _STEP_SIZES:
-        out["distinct_step_sizes"] = len(_STEP_SIZES) - 1  # minus the marker
+    if "step_sizes" in _DIAGNOSTICS:
+        out["distinct_step_sizes"] = len(_DIAGNOSTICS["step_sizes"])
     objects = gc.get_objects()
     out["python_objects"] = len(objects)
     if action == "types":
@@ -151,10 +164,10 @@ def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, A
     del objects
     if action == "trace_start":
         tracemalloc.start(8)
-        _TRACE_BASELINE[:] = [tracemalloc.take_snapshot()]
-    elif action == "trace_top" and _TRACE_BASELINE and tracemalloc.is_tracing():
+        _DIAGNOSTICS["trace_baseline"] = tracemalloc.take_snapshot()
+    elif action == "trace_top" and "trace_baseline" in _DIAGNOSTICS and tracemalloc.is_tracing():
         snapshot = tracemalloc.take_snapshot()
-        diffs = snapshot.compare_to(_TRACE_BASELINE[0], "traceback")
+        diffs = snapshot.compare_to(_DIAGNOSTICS["trace_baseline"], "traceback")
         out["traced_bytes"] = tracemalloc.get_traced_memory()[0]
         out["trace_top"] = [
             {
@@ -219,13 +232,11 @@ def _retention_state(core: Any, external_id: str) -> dict[str, Any] | None:
     retention = getattr(scheduler, "retention", None)
     if retention is None:
         return None
-    for internal_id, request in scheduler.requests.items():
-        if internal_id.rsplit("-", 1)[0] == external_id and retention.is_retention_session(
-            internal_id
-        ):
-            state: dict[str, Any] = retention.describe(request)
-            return state
-    return None
+    found = _find_request(scheduler, external_id)
+    if found is None or not retention.is_retention_session(found[0]):
+        return None
+    state: dict[str, Any] = retention.describe(found[1])
+    return state
 
 
 SESSION_SUMMARY_METHOD = "vllm_realtime_session_summary"
@@ -236,19 +247,17 @@ def _session_summary(core: Any, external_id: str) -> dict[str, Any] | None:
     (only its own block table is walked) and its retention counters (None without retention).
     None if the engine has no such request."""
     scheduler = core.scheduler
-    retention = getattr(scheduler, "retention", None)
+    found = _find_request(scheduler, external_id)
+    if found is None:
+        return None
+    internal_id, request = found
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    for internal_id, request in scheduler.requests.items():
-        if internal_id.rsplit("-", 1)[0] != external_id:
-            continue
-        held = sum(
-            1 for m in managers for b in m.req_to_blocks.get(internal_id, ()) if not b.is_null
-        )
-        counters = None
-        if retention is not None and retention.is_retention_session(internal_id):
-            counters = retention.summary(request)
-        return {"kv_blocks_held": held, "retention": counters}
-    return None
+    held = sum(_blocks_held(m.req_to_blocks.get(internal_id, ())) for m in managers)
+    retention = getattr(scheduler, "retention", None)
+    counters = None
+    if retention is not None and retention.is_retention_session(internal_id):
+        counters = retention.summary(request)
+    return {"kv_blocks_held": held, "retention": counters}
 
 
 def install_retention_utilities() -> None:

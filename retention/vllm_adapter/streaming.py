@@ -265,6 +265,7 @@ async def _add_streaming_input_request(
     # (a) a collector that never merges across a chunk boundary.
     queue = StreamingOutputCollector(sampling_params.output_kind, internal_req_id, request_id)
     output_processor = self.output_processor
+    bounded = bool(sampling_params.extra_args) and REQUEST_ARGS_KEY in sampling_params.extra_args
 
     async def handle_inputs() -> None:
         cancelled = False
@@ -298,6 +299,10 @@ async def _add_streaming_input_request(
                         break
                     tag_stream_role(req, CONTINUATION)
                 await self._add_request(req, prompt_text, None, 0, queue)
+                state = output_processor.request_states.get(internal_req_id)
+                if not any_added and bounded and state is not None:
+                    # (e) from now on this session's front-end prompt is one chunk long.
+                    setattr(state, _BOUNDED_ATTR, True)
                 any_added = True
         except (asyncio.CancelledError, GeneratorExit):
             cancelled = True
@@ -450,20 +455,6 @@ def _make_process_outputs(original: ProcessOutputsFn) -> ProcessOutputsFn:
 _BOUNDED_ATTR: Final = "_vllm_realtime_bounded_session"
 
 
-def _make_add_request(original: Callable[..., None]) -> Callable[..., None]:
-    def add_request(
-        self: OutputProcessor, request: EngineCoreRequest, *args: Any, **kw: Any
-    ) -> None:
-        original(self, request, *args, **kw)
-        params = request.sampling_params
-        if params is not None and params.extra_args and REQUEST_ARGS_KEY in params.extra_args:
-            state = self.request_states.get(request.request_id)
-            if state is not None:
-                setattr(state, _BOUNDED_ATTR, True)
-
-    return add_request
-
-
 def _make_apply_streaming_update(original: Callable[..., None]) -> Callable[..., None]:
     def apply_streaming_update(self: RequestState, update: Any) -> None:
         if getattr(self, _BOUNDED_ATTR, False):
@@ -490,7 +481,6 @@ def install_streaming_hardening() -> None:
     # (b) engine-side ABORT/ERROR is terminal for a streaming session.
     OutputProcessor.process_outputs = _make_process_outputs(OutputProcessor.process_outputs)
     # (e) bounded sessions keep only the current chunk's prompt in the front end.
-    OutputProcessor.add_request = _make_add_request(OutputProcessor.add_request)
     RequestState.apply_streaming_update = _make_apply_streaming_update(
         RequestState.apply_streaming_update
     )
