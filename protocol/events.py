@@ -53,6 +53,7 @@ __all__ = [
     "RetentionConfig",
     "RetentionState",
     "SamplingConfig",
+    "ServerDrainingEvent",
     "ServerEvent",
     "SessionCloseEvent",
     "SessionClosedEvent",
@@ -449,6 +450,20 @@ class SessionClosedEvent(_ServerEventBase):
     frames_total: int = Field(default=0, ge=0, description="Chunks accepted over the session.")
 
 
+class ServerDrainingEvent(_ServerEventBase):
+    """``server.draining``: the server is shutting down; finish the reply in flight and go.
+
+    No new chunk is accepted. The session is closed (``server_shutdown``) as soon as it has no
+    reply in flight, and at the latest after ``seconds_left``; reconnect (to this server once it
+    is back, or to another replica) and open a new session.
+    """
+
+    type: Literal["server.draining"] = Field(default="server.draining", description="Event type.")
+    seconds_left: float = Field(
+        ge=0, description="Seconds until replies still running are cancelled and sessions closed."
+    )
+
+
 class ErrorEvent(_ServerEventBase):
     """``error``: something the client sent (or the server) failed; see error.session_survives."""
 
@@ -464,6 +479,7 @@ ServerEvent: TypeAlias = Annotated[
     | ResponseTextDeltaEvent
     | ResponseDoneEvent
     | SessionClosedEvent
+    | ServerDrainingEvent
     | ErrorEvent,
     Field(discriminator="type"),
 ]
@@ -491,6 +507,7 @@ SERVER_EVENT_TYPES: dict[str, type[_ServerEventBase]] = {
     "response.text.delta": ResponseTextDeltaEvent,
     "response.done": ResponseDoneEvent,
     "session.closed": SessionClosedEvent,
+    "server.draining": ServerDrainingEvent,
     "error": ErrorEvent,
 }
 """Server event models by their ``type``."""

@@ -22,6 +22,13 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _non_negative_float(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {raw}")
+    return value
+
+
 def parse_engine_passthrough(tokens: list[str]) -> dict[str, Any]:
     """`--some-engine-arg VALUE` / `--flag` pairs (vLLM engine args) → AsyncEngineArgs kwargs."""
     out: dict[str, Any] = {}
@@ -96,6 +103,7 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         max_frames_per_s=args.max_frames_per_s,
         frame_burst=args.frame_burst,
         retention_max_position=args.retention_max_position,
+        drain_timeout_s=args.drain_timeout,
     )
     run_server(config, settings)
     return 0
@@ -139,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         type=_positive_int,
         default=None,
         help="consolidate bounded sessions before this RoPE position (default: trained range)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=20.0,
+        help="on SIGTERM/SIGINT, seconds replies in flight get before they are cancelled",
     )
     models = sub.add_parser("models", help="list or build the embedded default models")
     models.add_argument("action", choices=["list", "build"])

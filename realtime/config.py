@@ -28,12 +28,17 @@ class ServerConfig:
     # RoPE positions reach this; None: the model's trained range. Lower it for a model that
     # degrades well inside its trained range.
     retention_max_position: int | None = None
+    # On SIGTERM/SIGINT: seconds the replies in flight get to finish before they are cancelled
+    # (realtime/drain.py). Keep it under the supervisor's kill timeout (Kubernetes: 30 s).
+    drain_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.retention_max_position is not None and self.retention_max_position < 1:
             raise ValueError(
                 f"retention_max_position must be >= 1, got {self.retention_max_position}"
             )
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     def accepted_keys(self) -> tuple[str, ...]:
         """Every key the server accepts; empty when no key is required."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import re
@@ -40,6 +41,7 @@ from protocol import (
     ResponseCreatedEvent,
     ResponseStatus,
     ServerCloseReason,
+    ServerDrainingEvent,
     ServerEvent,
     SessionConfig,
     SessionNotFound,
@@ -55,6 +57,7 @@ from protocol import (
     select_subprotocol,
 )
 from realtime.config import ServerConfig
+from realtime.drain import Lifecycle, drain
 from realtime.hub import SessionHub, SessionRecord
 
 log = logging.getLogger("vllm_realtime")
@@ -150,8 +153,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class Connection:
     """One WebSocket connection: its protocol state, its session, its turn task."""
 
-    def __init__(self, ws: WebSocket, hub: SessionHub, owner: str | None) -> None:
+    def __init__(
+        self, ws: WebSocket, hub: SessionHub, owner: str | None, lifecycle: Lifecycle | None = None
+    ) -> None:
         self.ws = ws
+        self.lifecycle = lifecycle or Lifecycle(hub.config.drain_timeout_s)
+        # server.draining was sent: close the session as soon as no reply is in flight.
+        self.draining = False
         self.hub = hub
         self.owner = owner
         self.proto: SessionProtocol = hub.new_protocol()
@@ -178,6 +186,9 @@ class Connection:
 
     async def run(self) -> None:
         await self.send(self.proto.greeting())
+        if self.lifecycle.draining:
+            # Connected while the server drains: told at once, instead of a refused open.
+            await self.begin_drain(self.lifecycle.seconds_left())
         # One receive stays pending across turns. The old loop computed the idle timeout once
         # per receive, so a receive started while a turn ran waited with no timeout forever: a
         # client that sent one frame and went quiet held its session (and KV) for good. Now
@@ -252,8 +263,14 @@ class Connection:
     async def carry_out(self, action: Any, event_id: str | None = None) -> None:
         if isinstance(action, OpenSession):
             try:
+                self.lifecycle.check_admitting(event_id)
                 self.hub.ensure_text_or_video(action.config)
-                self.record = await self.hub.open_session(self.proto, action.config, self.owner)
+                record = await self.hub.open_session(self.proto, action.config, self.owner)
+                if self.closed:
+                    # Closed (a drain) while admission ran: nobody will ever close it.
+                    await self.hub.close_session(record)
+                    return
+                self.record = record
             except RealtimeError as exc:
                 # Admission errors answer the session.open: echo its event_id (they did not).
                 exc.event_id = exc.event_id or event_id
@@ -305,6 +322,24 @@ class Connection:
             await self.finish(self.proto.server_close("error"))
         finally:
             self.last_activity = time.monotonic()
+            if self.draining and not self.closed:
+                await self.finish(self.proto.server_close("server_shutdown"))
+
+    # -- graceful drain (realtime/drain.py)
+
+    async def begin_drain(self, seconds_left: float) -> None:
+        """The server is shutting down: say so, and close now unless a reply is in flight
+        (then `_run_turn` closes right after its response.done)."""
+        if self.closed or self.draining:
+            return
+        self.draining = True
+        await self.send(ServerDrainingEvent(seconds_left=round(seconds_left, 3)))
+        if self.turn is None or self.turn.done():
+            await self.finish(self.proto.server_close("server_shutdown"))
+
+    async def close_for_shutdown(self) -> None:
+        """The drain's deadline passed: cancel the reply in flight and close."""
+        await self.finish(self.proto.server_close("server_shutdown"))
 
     async def finish(self, close: CloseSession | None, *, socket_gone: bool = False) -> None:
         """Close the session once: stop the turn, free the engine request, say goodbye."""
@@ -336,6 +371,7 @@ class Connection:
 def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
     """`hub_factory()` → an awaitable SessionHub (started engine); called in the lifespan."""
     connections: set[Connection] = set()
+    lifecycle = Lifecycle(config.drain_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -377,6 +413,10 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
         body = {"status": "ok" if ok else "engine_down", "sessions": len(hub.sessions)}
         if not ok:
             body["reason"] = hub.engine_failure or "unknown"
+        elif lifecycle.draining:
+            # Load balancers stop routing here; the sessions still open are finishing.
+            body["status"] = "draining"
+            return JSONResponse(body, status_code=503)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -413,7 +453,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             await ws.close(code=1008)
             return
         await ws.accept(subprotocol=select_subprotocol(offered))
-        conn = Connection(ws, hub, key)
+        conn = Connection(ws, hub, key, lifecycle)
         connections.add(conn)
         try:
             await conn.run()
@@ -446,6 +486,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
                 raise InvalidEvent(f"session config: {str(exc)[:300]}") from None
             from protocol import SessionOpenEvent
 
+            lifecycle.check_admitting()
             proto = hub.new_protocol()
             # dict(model), not model_dump(exclude_none=True): dropping nulls turned an explicit
             # `retention.window_chunks: null` ("no cap") back into the default 8.
@@ -520,6 +561,17 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
         return JSONResponse(body)
 
     app.state.http_sessions = http_sessions
+
+    async def drain_app() -> None:
+        """Stop admitting, tell every connection, let replies finish, close (drain.py)."""
+        hub: SessionHub = app.state.hub
+        await drain(lifecycle, connections, http_sessions, hub.close_session)
+        for record in list(hub.sessions.values()):
+            await hub.close_session(record)
+
+    app.state.lifecycle = lifecycle
+    app.state.connections = connections
+    app.state.drain = drain_app
     if STATIC_DIR.is_dir():
         # The demo page's assets. realtime-client.js there is a symlink to clients/js (one source
         # of truth), hence follow_symlink; paths still cannot climb out of the directory.
@@ -582,6 +634,12 @@ async def _watch_once(hub: SessionHub, connections: set[Connection], app: FastAP
             await hub.close_session(record)
 
 
+async def _started_hub(engine: Any, config: ServerConfig, model_name: str) -> SessionHub:
+    hub = SessionHub(engine, config, model_name=model_name)
+    await hub.start()
+    return hub
+
+
 def run_server(config: ServerConfig, settings: Any) -> None:
     """Start the engine and serve until interrupted (one process: the registry is per process)."""
     import uvicorn
@@ -590,24 +648,49 @@ def run_server(config: ServerConfig, settings: Any) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
+    engines: list[Any] = []  # for the shutdown after uvicorn returns
+
     async def hub_factory() -> SessionHub:
-        engine = start_engine(settings)
-        hub = SessionHub(engine, config, model_name=settings.model)
-        await hub.start()
-        return hub
+        # No local names the engine: a traceback captured during the engine's start (somewhere
+        # in vLLM's start-up) kept this frame, hence the engine, alive until the interpreter's
+        # teardown, where AsyncLLM.__del__ failed on cleared module globals.
+        engines.append(start_engine(settings))
+        return await _started_hub(engines[-1], config, settings.model)
 
     app = create_app(hub_factory, config)
     # uvicorn's own WebSocket cap (16 MiB) equalled limits.max_event_bytes, so a text message
     # over the limit was never answered with the documented frame_too_large: the socket closed
     # with 1009 instead. A margin over the limit makes the documented answer reachable.
     from protocol import DEFAULT_MAX_EVENT_BYTES
+    from realtime.drain import DrainingServer
 
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        workers=1,
-        log_level="info",
-        ws="websockets",
-        ws_max_size=DEFAULT_MAX_EVENT_BYTES + (1 << 20),
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            workers=1,
+            log_level="info",
+            ws="websockets",
+            ws_max_size=DEFAULT_MAX_EVENT_BYTES + (1 << 20),
+            # After the drain only idle HTTP keep-alives are left.
+            timeout_graceful_shutdown=5,
+        ),
+        app.state.drain,
     )
+    server.on_force(app.state.lifecycle.forced.set)
+    try:
+        server.run()
+    finally:
+        # Stop EngineCore and its worker (vLLM sends SIGTERM and waits); before, SIGTERM killed
+        # the server first and left them running, reparented to init.
+        for engine in engines:
+            log.info("shutting the engine down")
+            # vLLM's default grace (5 s) is shorter than its CPU worker's own exit (3-5 s seen),
+            # after which the EngineCore was SIGKILLed; give them the time to exit cleanly.
+            engine.shutdown(timeout=15)
+        # AsyncLLM.__del__ shuts down once more; left to the interpreter's teardown it ran with
+        # vLLM's module globals already cleared and printed a TypeError traceback.
+        del app, server, hub_factory
+        engines.clear()
+        gc.collect()

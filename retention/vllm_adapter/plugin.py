@@ -16,6 +16,10 @@ def register() -> None:
     if _registered:
         return
     check_vllm_version()
+    from retention.vllm_adapter.lifecycle import install_parent_death_watch
+
+    # EngineCore and workers exit when the server dies, even by SIGKILL (lifecycle.py).
+    install_parent_death_watch()
     from retention.vllm_adapter.introspect import install_engine_core_utilities
     from retention.vllm_adapter.streaming import install_streaming_hardening
 

@@ -27,6 +27,7 @@ from protocol import (
     RetentionConfig,
     RetentionState,
     SamplingConfig,
+    ServerDrainingEvent,
     ServerEvent,
     SessionClosedEvent,
     SessionCloseEvent,
@@ -89,6 +90,7 @@ SERVER_EVENTS: list[ServerEvent] = [
     ),
     ResponseDoneEvent(frame_index=0, status="completed"),
     SessionClosedEvent(session_id="sess_1", reason="idle_timeout", frames_total=12),
+    ServerDrainingEvent(seconds_left=19.5),
     ErrorEvent(
         error=ErrorDetail(
             type="invalid_request_error",
