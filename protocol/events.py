@@ -50,6 +50,7 @@ __all__ = [
     "ResponseDoneEvent",
     "ResponseStatus",
     "ResponseTextDeltaEvent",
+    "ResumableConfig",
     "RetentionConfig",
     "RetentionState",
     "SamplingConfig",
@@ -61,6 +62,8 @@ __all__ = [
     "SessionCreatedEvent",
     "SessionOpenEvent",
     "SessionOpenedEvent",
+    "SessionResumeEvent",
+    "SessionResumedEvent",
     "Timing",
     "Usage",
     "new_event_id",
@@ -71,7 +74,13 @@ Modality: TypeAlias = Literal["video", "text"]
 FrameFormat: TypeAlias = Literal["jpeg", "png", "webp", "auto"]
 ResponseStatus: TypeAlias = Literal["completed", "cancelled", "failed", "incomplete"]
 CloseReason: TypeAlias = Literal[
-    "client_closed", "disconnect", "idle_timeout", "engine_error", "server_shutdown", "error"
+    "client_closed",
+    "disconnect",
+    "idle_timeout",
+    "engine_error",
+    "server_shutdown",
+    "error",
+    "expired",
 ]
 ErrorType: TypeAlias = Literal[
     "invalid_request_error", "capacity_error", "auth_error", "server_error", "timeout_error"
@@ -179,6 +188,16 @@ class SamplingConfig(_Inbound):
     )
 
 
+class ResumableConfig(_Inbound):
+    """Opt-in resumption: a dropped connection parks the session instead of ending it."""
+
+    grace_s: float = Field(
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds a dropped session waits for session.resume (capped by the server).",
+    )
+
+
 class SessionConfig(_Inbound):
     """Settings of a session; sent in session.open and echoed, resolved, in session.opened."""
 
@@ -199,6 +218,10 @@ class SessionConfig(_Inbound):
     )
     model: str | None = Field(
         default=None, description="Model to use; null: the server's model (see limits.model)."
+    )
+    resumable: ResumableConfig | None = Field(
+        default=None,
+        description="Park the session for grace_s when the connection drops; null: end it.",
     )
 
 
@@ -222,6 +245,7 @@ class SessionOpenEvent(SessionConfig):
             sampling=self.sampling,
             frame_format=self.frame_format,
             model=self.model,
+            resumable=self.resumable,
         )
 
 
@@ -287,6 +311,20 @@ class ResponseCancelEvent(_ClientEventBase):
     type: Literal["response.cancel"] = Field(default="response.cancel", description="Event type.")
 
 
+class SessionResumeEvent(_ClientEventBase):
+    """``session.resume``: take over a resumable session, as the first event of a connection."""
+
+    type: Literal["session.resume"] = Field(default="session.resume", description="Event type.")
+    session_id: str = Field(
+        min_length=1, max_length=MAX_EVENT_ID_CHARS, description="Id of the session to resume."
+    )
+    resume_token: str = Field(
+        min_length=1,
+        max_length=MAX_EVENT_ID_CHARS,
+        description="The resume_token of session.opened (or of the last session.resumed).",
+    )
+
+
 class SessionCloseEvent(_ClientEventBase):
     """``session.close``: end the session; the server answers session.closed and closes."""
 
@@ -294,7 +332,11 @@ class SessionCloseEvent(_ClientEventBase):
 
 
 ClientEvent: TypeAlias = Annotated[
-    SessionOpenEvent | FrameAppendEvent | ResponseCancelEvent | SessionCloseEvent,
+    SessionOpenEvent
+    | FrameAppendEvent
+    | ResponseCancelEvent
+    | SessionCloseEvent
+    | SessionResumeEvent,
     Field(discriminator="type"),
 ]
 """Any event a client may send, discriminated on ``type``."""
@@ -321,6 +363,9 @@ class Limits(_Outbound):
     )
     max_tokens_cap: int = Field(
         default=4096, ge=1, description="Ceiling applied to sampling.max_tokens."
+    )
+    max_resume_grace_s: float = Field(
+        default=0.0, ge=0, description="Cap on resumable.grace_s; 0: sessions are not resumable."
     )
     server_version: str = Field(description="Version of the vllm-realtime server.")
     model: str = Field(description="Name of the model this server serves.")
@@ -392,6 +437,10 @@ class SessionOpenedEvent(_ServerEventBase):
     session_id: str = Field(description="Id of this connection's session.")
     config: SessionConfig = Field(description="Effective settings (defaults filled, caps applied).")
     limits: Limits = Field(description="What this server allows.")
+    resume_token: str | None = Field(
+        default=None,
+        description="Secret for session.resume (resumable sessions only); null otherwise.",
+    )
 
 
 class InputAckEvent(_ServerEventBase):
@@ -441,6 +490,25 @@ class ResponseDoneEvent(_ServerEventBase):
     )
 
 
+class SessionResumedEvent(_ServerEventBase):
+    """``session.resumed``: answer to session.resume; the session goes on on this connection."""
+
+    type: Literal["session.resumed"] = Field(default="session.resumed", description="Event type.")
+    session_id: str = Field(description="Id of the resumed session.")
+    config: SessionConfig = Field(description="The session's effective settings.")
+    limits: Limits = Field(description="What this server allows.")
+    next_frame_index: int = Field(ge=0, description="frame_index the next accepted chunk gets.")
+    in_flight_frame_index: int | None = Field(
+        default=None,
+        description="Chunk whose reply still runs (its response.done follows here); null: none.",
+    )
+    missed_response: ResponseDoneEvent | None = Field(
+        default=None,
+        description="The response.done that finished while no connection was attached, if any.",
+    )
+    resume_token: str = Field(description="New secret for the next session.resume (rotated).")
+
+
 class SessionClosedEvent(_ServerEventBase):
     """``session.closed``: last event of a connection; the server closes the socket after it."""
 
@@ -479,6 +547,7 @@ ServerEvent: TypeAlias = Annotated[
     | ResponseTextDeltaEvent
     | ResponseDoneEvent
     | SessionClosedEvent
+    | SessionResumedEvent
     | ServerDrainingEvent
     | ErrorEvent,
     Field(discriminator="type"),
@@ -490,12 +559,19 @@ SERVER_EVENT_ADAPTER: TypeAdapter[ServerEvent] = TypeAdapter(ServerEvent)
 
 CLIENT_EVENT_TYPES: dict[
     str,
-    type[SessionOpenEvent | FrameAppendEvent | ResponseCancelEvent | SessionCloseEvent],
+    type[
+        SessionOpenEvent
+        | FrameAppendEvent
+        | ResponseCancelEvent
+        | SessionCloseEvent
+        | SessionResumeEvent
+    ],
 ] = {
     "session.open": SessionOpenEvent,
     "frame.append": FrameAppendEvent,
     "response.cancel": ResponseCancelEvent,
     "session.close": SessionCloseEvent,
+    "session.resume": SessionResumeEvent,
 }
 """Client event models by their ``type``."""
 
@@ -507,6 +583,7 @@ SERVER_EVENT_TYPES: dict[str, type[_ServerEventBase]] = {
     "response.text.delta": ResponseTextDeltaEvent,
     "response.done": ResponseDoneEvent,
     "session.closed": SessionClosedEvent,
+    "session.resumed": SessionResumedEvent,
     "server.draining": ServerDrainingEvent,
     "error": ErrorEvent,
 }

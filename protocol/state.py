@@ -19,6 +19,14 @@ accepted chunk with exactly one reply.  Two rules hold everything together:
   finished with status ``cancelled``/``failed`` even though the state is
   ``CLOSED``).
 
+A session opened with ``resumable`` outlives its connection: when the socket
+drops the server *detaches* it (``PARKED``, or ``PARKED_AWAITING_RESPONSE``
+while its reply still runs; that reply's ``response.done`` is kept), and a
+later connection that sends ``session.resume`` with the right token takes
+the same machine over (*resumed*): frame indices go on, the kept
+``response.done`` is handed over once in ``session.resumed``.  A parked
+session nobody resumes *expires* after its grace period.
+
 :class:`SessionProtocol` does no I/O and knows nothing of asyncio or vLLM.
 The server feeds it every input (parsed client events, binary messages, and
 its own happenings: reply finished, engine error, disconnect, idle timeout,
@@ -45,12 +53,22 @@ State diagram::
           ── session.close | engine_error | disconnect | idle_timeout | server_shutdown | error ──►
       CLOSED   (a reply in flight at the close drains: one response_done is still allowed)
 
+    Resumable sessions (session.open with resumable), on the server's inputs:
+
+      IDLE | AWAITING_BINARY ── detach ──► PARKED ── resumed ──► IDLE
+      AWAITING_RESPONSE ── detach ──► PARKED_AWAITING_RESPONSE ── resumed ──► AWAITING_RESPONSE
+      PARKED_AWAITING_RESPONSE ── response_done (kept for session.resumed) ──► PARKED
+      PARKED | PARKED_AWAITING_RESPONSE ── expire | engine_error | server_shutdown | error ──► CLOSED
+      CONNECTED ── session.resume ──► CONNECTED   (the server then hands the connection
+                                                    the parked session's machine)
+
 The transitions are the :data:`TRANSITIONS` table; every other
 (state, input) pair is in :data:`REFUSALS` with the error it raises.  The two
-tables together cover every pair exactly once.  Two entries have a guard:
-``(IDLE, OPEN_REFUSED)`` needs that no chunk was accepted yet, and
-``(CLOSED, RESPONSE_DONE)`` needs a reply that was in flight at the close;
-unguarded, both raise ``internal_error`` (a server bug).
+tables together cover every pair exactly once.  Three kinds of entries have a
+guard: ``(IDLE, OPEN_REFUSED)`` needs that no chunk was accepted yet,
+``(CLOSED, RESPONSE_DONE)`` needs a reply that was in flight at the close, and
+``detach`` needs a session opened with ``resumable``; unguarded, they raise
+``internal_error`` (a server bug).
 """
 
 from __future__ import annotations
@@ -90,6 +108,8 @@ from protocol.events import (
     SessionCreatedEvent,
     SessionOpenedEvent,
     SessionOpenEvent,
+    SessionResumedEvent,
+    SessionResumeEvent,
     Timing,
     Usage,
     new_session_id,
@@ -105,6 +125,7 @@ __all__ = [
     "Frame",
     "Input",
     "OpenSession",
+    "ResumeSession",
     "ServerCloseReason",
     "SessionProtocol",
     "State",
@@ -125,6 +146,10 @@ class State(enum.Enum):
     """One chunk accepted; its reply is not finished."""
     CLOSED = "closed"
     """Session over; only the drain of an in-flight reply may still happen."""
+    PARKED = "parked"
+    """Resumable session whose connection dropped; waits for session.resume (no reply runs)."""
+    PARKED_AWAITING_RESPONSE = "parked_awaiting_response"
+    """Parked while its reply still runs; that reply's response.done is kept for the resume."""
 
 
 class Input(enum.Enum):
@@ -139,6 +164,7 @@ class Input(enum.Enum):
     """A binary WebSocket message."""
     RESPONSE_CANCEL = "response.cancel"
     SESSION_CLOSE = "session.close"
+    SESSION_RESUME = "session.resume"
     OPEN_REFUSED = "open_refused"
     """Server: admission refused the session just opened (e.g. capacity)."""
     RESPONSE_DONE = "response_done"
@@ -149,12 +175,34 @@ class Input(enum.Enum):
     SERVER_SHUTDOWN = "server_shutdown"
     FATAL_ERROR = "error"
     """Server: a non-surviving RealtimeError was sent; the session must end."""
+    DETACH = "detach"
+    """Server: the connection of a resumable session dropped; park the session."""
+    RESUMED = "resumed"
+    """Server: a new connection presented this parked session's token; it takes over."""
+    EXPIRE = "expire"
+    """Server: a parked session's grace period ran out."""
 
 
 S = State
 In = Input
 
 _CLOSERS = (In.ENGINE_ERROR, In.DISCONNECT, In.IDLE_TIMEOUT, In.SERVER_SHUTDOWN, In.FATAL_ERROR)
+_PARKED = (S.PARKED, S.PARKED_AWAITING_RESPONSE)
+# Inputs a parked session never gets: nothing feeds it client events, and its idle clock is
+# the grace period (EXPIRE), not the idle timeout.
+_NOT_WHILE_PARKED = (
+    In.SESSION_OPEN,
+    In.FRAME_APPEND,
+    In.FRAME_ANNOUNCE,
+    In.BINARY,
+    In.RESPONSE_CANCEL,
+    In.SESSION_CLOSE,
+    In.SESSION_RESUME,
+    In.OPEN_REFUSED,
+    In.DISCONNECT,
+    In.IDLE_TIMEOUT,
+    In.DETACH,
+)
 
 TRANSITIONS: dict[tuple[State, Input], State] = {
     (S.CONNECTED, In.SESSION_OPEN): S.IDLE,
@@ -169,7 +217,23 @@ TRANSITIONS: dict[tuple[State, Input], State] = {
     (S.AWAITING_RESPONSE, In.RESPONSE_DONE): S.IDLE,
     (S.AWAITING_RESPONSE, In.SESSION_CLOSE): S.CLOSED,
     (S.CLOSED, In.RESPONSE_DONE): S.CLOSED,  # guard: a reply was in flight at the close
-    **{(state, inp): S.CLOSED for state in State for inp in _CLOSERS},
+    **{
+        (state, inp): S.CLOSED
+        for state in State
+        for inp in _CLOSERS
+        if (state, inp) not in ((p, i) for p in _PARKED for i in _NOT_WHILE_PARKED)
+    },
+    # Resumption.
+    (S.CONNECTED, In.SESSION_RESUME): S.CONNECTED,  # the server looks the session up
+    (S.IDLE, In.DETACH): S.PARKED,  # guard (all three): opened with resumable
+    (S.AWAITING_BINARY, In.DETACH): S.PARKED,  # the announcement is dropped, never accepted
+    (S.AWAITING_RESPONSE, In.DETACH): S.PARKED_AWAITING_RESPONSE,
+    (S.PARKED_AWAITING_RESPONSE, In.RESPONSE_DONE): S.PARKED,  # kept for session.resumed
+    (S.PARKED, In.RESUMED): S.IDLE,
+    (S.PARKED_AWAITING_RESPONSE, In.RESUMED): S.AWAITING_RESPONSE,
+    (S.PARKED, In.EXPIRE): S.CLOSED,
+    (S.PARKED_AWAITING_RESPONSE, In.EXPIRE): S.CLOSED,
+    (S.CLOSED, In.EXPIRE): S.CLOSED,  # like every server close: a no-op once closed
 }
 """Allowed (state, input) pairs and the state each leads to."""
 
@@ -202,13 +266,28 @@ REFUSALS: dict[tuple[State, Input], type[RealtimeError]] = {
     (S.CLOSED, In.RESPONSE_CANCEL): SessionClosed,
     (S.CLOSED, In.SESSION_CLOSE): SessionClosed,
     (S.CLOSED, In.OPEN_REFUSED): InternalError,
+    # Resumption.
+    (S.IDLE, In.SESSION_RESUME): SessionAlreadyOpen,
+    (S.AWAITING_BINARY, In.SESSION_RESUME): SessionAlreadyOpen,
+    (S.AWAITING_RESPONSE, In.SESSION_RESUME): SessionAlreadyOpen,
+    (S.CLOSED, In.SESSION_RESUME): SessionClosed,
+    **{(S.CONNECTED, inp): InternalError for inp in (In.DETACH, In.RESUMED, In.EXPIRE)},
+    (S.CLOSED, In.DETACH): InternalError,
+    (S.CLOSED, In.RESUMED): InternalError,
+    **{
+        (state, inp): InternalError
+        for state in (S.IDLE, S.AWAITING_BINARY, S.AWAITING_RESPONSE)
+        for inp in (In.RESUMED, In.EXPIRE)
+    },
+    (S.PARKED, In.RESPONSE_DONE): InternalError,
+    **{(state, inp): InternalError for state in _PARKED for inp in _NOT_WHILE_PARKED},
 }
 """Refused (state, input) pairs and the error each raises (state unchanged)."""
 
 del S, In
 
 ServerCloseReason: TypeAlias = Literal[
-    "engine_error", "disconnect", "idle_timeout", "server_shutdown", "error"
+    "engine_error", "disconnect", "idle_timeout", "server_shutdown", "error", "expired"
 ]
 _CLOSE_INPUTS: dict[ServerCloseReason, Input] = {
     "engine_error": Input.ENGINE_ERROR,
@@ -216,6 +295,7 @@ _CLOSE_INPUTS: dict[ServerCloseReason, Input] = {
     "idle_timeout": Input.IDLE_TIMEOUT,
     "server_shutdown": Input.SERVER_SHUTDOWN,
     "error": Input.FATAL_ERROR,
+    "expired": Input.EXPIRE,
 }
 
 
@@ -292,7 +372,20 @@ class CloseSession:
     event: SessionClosedEvent
 
 
-Action: TypeAlias = OpenSession | AwaitBinary | SubmitFrame | CancelResponse | CloseSession
+@dataclass(frozen=True, slots=True)
+class ResumeSession:
+    """Look up the parked session ``session_id`` and check ``resume_token`` (and the API key);
+    if both hold, call its machine's :meth:`SessionProtocol.resumed` and carry on with that
+    machine on this connection; otherwise refuse with ``session_not_found``."""
+
+    session_id: str
+    resume_token: str
+    event_id: str | None
+
+
+Action: TypeAlias = (
+    OpenSession | AwaitBinary | SubmitFrame | CancelResponse | CloseSession | ResumeSession
+)
 """What the server must do after an input."""
 
 
@@ -309,6 +402,8 @@ def classify(event: ClientEvent) -> Input:
         return Input.RESPONSE_CANCEL
     if isinstance(event, SessionCloseEvent):
         return Input.SESSION_CLOSE
+    if isinstance(event, SessionResumeEvent):
+        return Input.SESSION_RESUME
     raise InternalError(f"not a client event: {type(event).__name__}")  # pragma: no cover
 
 
@@ -349,6 +444,8 @@ class SessionProtocol:
         """Chunks accepted so far; also the next frame_index."""
         self.responses: dict[ResponseStatus, int] = {}
         """Finished replies by status."""
+        self.missed_response: ResponseDoneEvent | None = None
+        """The response.done that finished while the session was parked, until resumed."""
         self._state = State.CONNECTED
 
     @property
@@ -386,6 +483,9 @@ class SessionProtocol:
             assert self.in_flight is not None
             self.cancel_requested = True
             return CancelResponse(frame_index=self.in_flight.frame_index)
+        if isinstance(event, SessionResumeEvent):
+            self._state = nxt
+            return ResumeSession(event.session_id, event.resume_token, event.event_id)
         return self._close("client_closed", nxt)
 
     def receive_binary(self, data: bytes) -> SubmitFrame:
@@ -434,8 +534,7 @@ class SessionProtocol:
         self.in_flight = None
         self.cancel_requested = False
         self.responses[status] = self.responses.get(status, 0) + 1
-        self._state = nxt
-        return ResponseDoneEvent(
+        done = ResponseDoneEvent(
             frame_index=frame.frame_index,
             frame_id=frame.frame_id,
             status=status,
@@ -444,6 +543,36 @@ class SessionProtocol:
             usage=usage or Usage(),
             timing=timing or Timing(),
             retention=retention or RetentionState(),
+        )
+        if self._state is State.PARKED_AWAITING_RESPONSE:
+            self.missed_response = done  # nobody to send it to: session.resumed carries it
+        self._state = nxt
+        return done
+
+    def detach(self) -> None:
+        """The connection of a resumable session dropped: park the session (see the table)."""
+        nxt = self._next_state(Input.DETACH)
+        if self.config is None or self.config.resumable is None:
+            raise InternalError("detach of a session opened without resumable")
+        self.pending_frame = None
+        self._state = nxt
+
+    def resumed(self, resume_token: str) -> SessionResumedEvent:
+        """A new connection took the parked session over; the session.resumed to send it.
+
+        ``resume_token`` is the new secret the server issued for the next resume."""
+        nxt = self._next_state(Input.RESUMED)
+        assert self.config is not None
+        missed, self.missed_response = self.missed_response, None  # handed over exactly once
+        self._state = nxt
+        return SessionResumedEvent(
+            session_id=self.session_id,
+            config=self.config,
+            limits=self.limits,
+            next_frame_index=self.frames_total,
+            in_flight_frame_index=None if self.in_flight is None else self.in_flight.frame_index,
+            missed_response=missed,
+            resume_token=resume_token,
         )
 
     def server_close(self, reason: ServerCloseReason) -> CloseSession | None:
@@ -465,7 +594,18 @@ class SessionProtocol:
         sampling = requested.sampling.model_copy(
             update={"max_tokens": min(requested.sampling.max_tokens, self.limits.max_tokens_cap)}
         )
-        config = requested.model_copy(update={"model": self.limits.model, "sampling": sampling})
+        resumable = requested.resumable
+        if resumable is not None:
+            # Capped by the server; a server that allows no grace makes it a plain session.
+            cap = self.limits.max_resume_grace_s
+            resumable = (
+                resumable.model_copy(update={"grace_s": min(resumable.grace_s, cap)})
+                if cap > 0
+                else None
+            )
+        config = requested.model_copy(
+            update={"model": self.limits.model, "sampling": sampling, "resumable": resumable}
+        )
         self.config = config
         self._state = nxt
         opened = SessionOpenedEvent(session_id=self.session_id, config=config, limits=self.limits)

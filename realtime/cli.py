@@ -104,6 +104,7 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         frame_burst=args.frame_burst,
         retention_max_position=args.retention_max_position,
         drain_timeout_s=args.drain_timeout,
+        max_resume_grace_s=args.max_resume_grace,
     )
     run_server(config, settings)
     return 0
@@ -153,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         type=_non_negative_float,
         default=20.0,
         help="on SIGTERM/SIGINT, seconds replies in flight get before they are cancelled",
+    )
+    serve.add_argument(
+        "--max-resume-grace",
+        type=_non_negative_float,
+        default=60.0,
+        help="cap on session.open.resumable.grace_s, seconds (0: no session is resumable)",
     )
     models = sub.add_parser("models", help="list or build the embedded default models")
     models.add_argument("action", choices=["list", "build"])

@@ -31,12 +31,17 @@ class ServerConfig:
     # On SIGTERM/SIGINT: seconds the replies in flight get to finish before they are cancelled
     # (realtime/drain.py). Keep it under the supervisor's kill timeout (Kubernetes: 30 s).
     drain_timeout_s: float = 20.0
+    # Cap on session.open.resumable.grace_s: how long a dropped resumable session is kept
+    # (KV and admission reservation included) for session.resume; 0: no session is resumable.
+    max_resume_grace_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.retention_max_position is not None and self.retention_max_position < 1:
             raise ValueError(
                 f"retention_max_position must be >= 1, got {self.retention_max_position}"
             )
+        if self.max_resume_grace_s < 0:
+            raise ValueError(f"max_resume_grace_s must be >= 0, got {self.max_resume_grace_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 

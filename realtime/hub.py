@@ -96,6 +96,7 @@ class SessionHub:
             max_sessions=self.config.max_sessions,
             idle_timeout_s=self.config.idle_timeout_s,
             max_tokens_cap=min(1024, self.max_model_len // 2),
+            max_resume_grace_s=self.config.max_resume_grace_s,
             server_version=__version__,
             model=self.model_name,
         )

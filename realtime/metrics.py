@@ -28,6 +28,21 @@ class Metrics:
             "Engine failures seen by sessions.",
             registry=self.registry,
         )
+        self.sessions_parked = Gauge(
+            "vllm_realtime_sessions_parked",
+            "Resumable sessions waiting for session.resume (still counted as open).",
+            registry=self.registry,
+        )
+        self.sessions_resumed = Counter(
+            "vllm_realtime_sessions_resumed",
+            "Successful session.resume.",
+            registry=self.registry,
+        )
+        self.sessions_expired = Counter(
+            "vllm_realtime_sessions_expired",
+            "Parked sessions closed because nobody resumed them within their grace period.",
+            registry=self.registry,
+        )
         self.errors = Counter(
             "vllm_realtime_protocol_errors", "Error events sent.", ["code"], registry=self.registry
         )

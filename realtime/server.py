@@ -40,6 +40,7 @@ from protocol import (
     RealtimeError,
     ResponseCreatedEvent,
     ResponseStatus,
+    ResumeSession,
     ServerCloseReason,
     ServerDrainingEvent,
     ServerEvent,
@@ -59,9 +60,15 @@ from protocol import (
 from realtime.config import ServerConfig
 from realtime.drain import Lifecycle, drain
 from realtime.hub import SessionHub, SessionRecord
+from realtime.resumption import ResumeTokens
 
 log = logging.getLogger("vllm_realtime")
 STATIC_DIR = Path(__file__).parent / "static"
+
+
+async def _close_quietly(ws: WebSocket, code: int) -> None:
+    with contextlib.suppress(Exception):
+        await ws.close(code=code)
 
 
 def _key_ok(expected: str | None, given: str | None) -> bool:
@@ -151,13 +158,31 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 class Connection:
-    """One WebSocket connection: its protocol state, its session, its turn task."""
+    """One WebSocket connection: its protocol state, its session, its turn task.
+
+    A resumable session outlives its socket: on a drop the Connection is *parked* (no socket,
+    the turn runs on, an expiry timer runs), and `session.resume` on another socket hands that
+    socket to this Connection (`take_over`), which then serves it (`serve_resumed`)."""
 
     def __init__(
-        self, ws: WebSocket, hub: SessionHub, owner: str | None, lifecycle: Lifecycle | None = None
+        self,
+        ws: WebSocket,
+        hub: SessionHub,
+        owner: str | None,
+        lifecycle: Lifecycle | None = None,
+        resumable: ResumeTokens[Connection] | None = None,
+        connections: set[Connection] | None = None,
     ) -> None:
         self.ws = ws
         self.lifecycle = lifecycle or Lifecycle(hub.config.drain_timeout_s)
+        self.resume_tokens = resumable
+        # The server's live connections (drain walks them); a parked one stays in until closed.
+        self.connections = connections
+        self.parked = False
+        self.expiry: asyncio.Task[None] | None = None
+        # session.resume on this socket succeeded: the socket now serves that Connection.
+        self.handed_to: Connection | None = None
+        self.closing_old: asyncio.Task[None] | None = None
         # server.draining was sent: close the session as soon as no reply is in flight.
         self.draining = False
         self.hub = hub
@@ -184,11 +209,20 @@ class Connection:
     async def send_error(self, exc: RealtimeError) -> None:
         await self.send(error_event(exc))
 
-    async def run(self) -> None:
+    async def run(self) -> Connection | None:
+        """Serve this socket; the Connection it was handed to by session.resume, if any (the
+        caller then goes on with `serve_resumed` of that one, on the same socket)."""
         await self.send(self.proto.greeting())
         if self.lifecycle.draining:
             # Connected while the server drains: told at once, instead of a refused open.
             await self.begin_drain(self.lifecycle.seconds_left())
+        return await self._serve(self.ws)
+
+    async def serve_resumed(self) -> Connection | None:
+        """Serve the socket `take_over` attached (session.resumed is already sent)."""
+        return await self._serve(self.ws)
+
+    async def _serve(self, ws: WebSocket) -> Connection | None:
         # One receive stays pending across turns. The old loop computed the idle timeout once
         # per receive, so a receive started while a turn ran waited with no timeout forever: a
         # client that sent one frame and went quiet held its session (and KV) for good. Now
@@ -196,8 +230,12 @@ class Connection:
         receiving: asyncio.Future[Any] | None = None
         try:
             while not self.closed:
+                if self.ws is not ws:
+                    return None  # taken over by another socket (this one was half-open)
+                if self.handed_to is not None:
+                    return self.handed_to
                 if receiving is None:
-                    receiving = asyncio.ensure_future(self.ws.receive())
+                    receiving = asyncio.ensure_future(ws.receive())
                 turn = self.turn if self.turn is not None and not self.turn.done() else None
                 waiting: set[asyncio.Future[Any]] = (
                     {receiving} if turn is None else {receiving, turn}
@@ -206,17 +244,25 @@ class Connection:
                     waiting, timeout=self._timeout(turn), return_when=asyncio.FIRST_COMPLETED
                 )
                 if receiving not in done:
-                    if turn is not None:
-                        continue  # the turn ended; wait again, now with the idle clock
+                    if turn is not None or self.ws is not ws:
+                        continue  # the turn ended (wait again, now with the idle clock), or
+                        # the session moved to another socket (the loop's head returns)
                     await self.send_error(IdleTimeout("no client event within the idle timeout"))
                     await self.finish(self.proto.server_close("idle_timeout"))
-                    return
+                    return None
                 message, receiving = receiving.result(), None
+                if self.ws is not ws:
+                    return None
                 self.last_activity = time.monotonic()
                 if message["type"] == "websocket.disconnect":
                     raise WebSocketDisconnect(message.get("code", 1000))
                 await self.handle(dict(message))
         except WebSocketDisconnect:
+            if self.ws is not ws:
+                return None
+            if self._can_park():
+                self._park()
+                return None
             await self.finish(self.proto.server_close("disconnect"), socket_gone=True)
         except Exception:
             # A server bug must still end in the documented way (internal_error, then
@@ -227,7 +273,80 @@ class Connection:
         finally:
             if receiving is not None and not receiving.done():
                 receiving.cancel()
-            await self.finish(self.proto.server_close("disconnect"), socket_gone=True)
+            if self.ws is ws and not self.parked and self.handed_to is None:
+                await self.finish(self.proto.server_close("disconnect"), socket_gone=True)
+        return self.handed_to
+
+    # -- resumption (realtime/resumption.py)
+
+    def _can_park(self) -> bool:
+        config = self.proto.config
+        return (
+            config is not None
+            and config.resumable is not None
+            and self.record is not None
+            and not self.draining
+            and not self.lifecycle.draining
+            and self.proto.state in (State.IDLE, State.AWAITING_BINARY, State.AWAITING_RESPONSE)
+        )
+
+    def _park(self) -> None:
+        """The socket dropped: keep the session (engine request, KV, reservation) for its grace
+        period; a reply in flight runs on and its response.done is kept (protocol.state)."""
+        config = self.proto.config
+        assert config is not None and config.resumable is not None
+        self.proto.detach()
+        self.parked = True
+        self.hub.metrics.sessions_parked.inc()
+        grace = config.resumable.grace_s
+        self.expiry = asyncio.create_task(self._expire_after(grace))
+        log.info("session parked id=%s grace=%.1fs", self.proto.session_id[:12], grace)
+
+    async def _expire_after(self, grace: float) -> None:
+        await asyncio.sleep(grace)
+        if not self.parked or self.closed:
+            return
+        log.info("session expired id=%s", self.proto.session_id[:12])
+        self.hub.metrics.sessions_expired.inc()
+        self.expiry = None  # finish must not cancel the task it runs in
+        await self.finish(self.proto.server_close("expired"), socket_gone=True)
+
+    def _unpark(self) -> None:
+        if self.parked:
+            self.parked = False
+            self.hub.metrics.sessions_parked.dec()
+        expiry, self.expiry = self.expiry, None
+        if expiry is not None and expiry is not asyncio.current_task():
+            expiry.cancel()
+
+    async def take_over(self, ws: WebSocket) -> None:
+        """session.resume from `ws` was accepted: the session continues on that socket.
+
+        Whether it was parked or its old socket still looks open (half-open TCP: the server
+        has not seen the drop yet), the old socket is let go and never serves it again."""
+        old = self.ws
+        if not self.parked:
+            self.proto.detach()
+            if old.client_state == WebSocketState.CONNECTED:
+                # The old socket's loop sees `self.ws is not ws` and returns; close it in the
+                # background (a half-open socket's close handshake waits for its timeout).
+                self.closing_old = asyncio.create_task(_close_quietly(old, 4000))
+        self._unpark()
+        self.ws = ws
+        self.draining = False
+        self.frames = _FrameBucket(self.hub.config.max_frames_per_s, self.hub.config.frame_burst)
+        self.last_activity = time.monotonic()
+        assert self.resume_tokens is not None
+        token = self.resume_tokens.issue(self.proto.session_id, self.owner, self)
+        resumed = self.proto.resumed(token)
+        self.hub.metrics.sessions_resumed.inc()
+        log.info(
+            "session resumed id=%s next_frame=%d missed_response=%s",
+            self.proto.session_id[:12],
+            resumed.next_frame_index,
+            resumed.missed_response is not None,
+        )
+        await self.send(resumed)
 
     def _timeout(self, turn: asyncio.Task[None] | None) -> float | None:
         # A turn in flight is the server's business, not the client's idleness.
@@ -271,6 +390,11 @@ class Connection:
                     await self.hub.close_session(record)
                     return
                 self.record = record
+                if action.config.resumable is not None and self.resume_tokens is not None:
+                    token = self.resume_tokens.issue(self.proto.session_id, self.owner, self)
+                    action = OpenSession(
+                        action.config, action.event.model_copy(update={"resume_token": token})
+                    )
             except RealtimeError as exc:
                 # Admission errors answer the session.open: echo its event_id (they did not).
                 exc.event_id = exc.event_id or event_id
@@ -295,6 +419,34 @@ class Connection:
             self.cancelled.set()
         elif isinstance(action, CloseSession):
             await self.finish(action)
+        elif isinstance(action, ResumeSession):
+            await self._resume(action)
+
+    async def _resume(self, action: ResumeSession) -> None:
+        """session.resume on this fresh connection: hand the socket to the session's holder."""
+        try:
+            self.lifecycle.check_admitting(action.event_id)
+            if self.resume_tokens is None:
+                raise SessionNotFound("this server keeps no resumable sessions")
+            holder = self.resume_tokens.claim(
+                action.session_id, action.resume_token, self.owner, action.event_id
+            )
+            if holder.closed:  # pragma: no cover (closed sessions are forgotten at once)
+                raise SessionNotFound("no such session", event_id=action.event_id)
+        except RealtimeError as exc:
+            await self.send_error(exc)
+            if not exc.session_survives:
+                await self.finish(self.proto.server_close("error"))
+            return
+        # This connection never opened a session of its own: it ends without a word, and its
+        # socket goes on serving the resumed session.
+        self.closed = True
+        if self.connections is not None:
+            self.connections.discard(self)
+        self.handed_to = holder
+        if holder.connections is not None:
+            holder.connections.add(holder)
+        await holder.take_over(self.ws)
 
     async def _run_turn(self, action: SubmitFrame) -> None:
         assert self.record is not None
@@ -346,6 +498,11 @@ class Connection:
         if close is None and self.closed:
             return
         self.closed = True
+        self._unpark()
+        if self.resume_tokens is not None:
+            self.resume_tokens.forget(self.proto.session_id)
+        if self.connections is not None:
+            self.connections.discard(self)
         turn, self.turn = self.turn, None
         if turn is not None and not turn.done() and turn is not asyncio.current_task():
             # Cancelling the consumer inside generate() makes vLLM abort the request.
@@ -372,6 +529,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
     """`hub_factory()` → an awaitable SessionHub (started engine); called in the lifespan."""
     connections: set[Connection] = set()
     lifecycle = Lifecycle(config.drain_timeout_s)
+    resume_tokens: ResumeTokens[Connection] = ResumeTokens()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -453,12 +611,17 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             await ws.close(code=1008)
             return
         await ws.accept(subprotocol=select_subprotocol(offered))
-        conn = Connection(ws, hub, key, lifecycle)
+        conn = Connection(ws, hub, key, lifecycle, resume_tokens, connections)
         connections.add(conn)
         try:
-            await conn.run()
+            resumed = await conn.run()
+            while resumed is not None:  # session.resume: this socket now serves that session
+                conn = resumed
+                resumed = await conn.serve_resumed()
         finally:
-            connections.discard(conn)
+            if conn.closed:
+                # A parked connection stays listed (the drain and the watchdog reach it).
+                connections.discard(conn)
 
     # -- HTTP adapter over the same session layer
 
@@ -493,6 +656,11 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             open_event = SessionOpenEvent(**dict(session_config))
             action = proto.receive_client_event(open_event)
             assert isinstance(action, OpenSession)
+            if action.config.resumable is not None:
+                raise InvalidEvent(
+                    "session config: resumable is for WebSocket sessions (an HTTP session "
+                    "outlives its requests anyway)"
+                )
             hub.ensure_text_or_video(action.config)
             record = await hub.open_session(proto, action.config, http_key(request))
         except RealtimeError as exc:
@@ -570,6 +738,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             await hub.close_session(record)
 
     app.state.lifecycle = lifecycle
+    app.state.resume_tokens = resume_tokens
     app.state.connections = connections
     app.state.drain = drain_app
     if STATIC_DIR.is_dir():

@@ -24,6 +24,7 @@ from protocol import (
     ResponseCreatedEvent,
     ResponseDoneEvent,
     ResponseTextDeltaEvent,
+    ResumableConfig,
     RetentionConfig,
     RetentionState,
     SamplingConfig,
@@ -35,6 +36,8 @@ from protocol import (
     SessionCreatedEvent,
     SessionOpenedEvent,
     SessionOpenEvent,
+    SessionResumedEvent,
+    SessionResumeEvent,
     Timing,
     Usage,
     encode_client_event,
@@ -68,6 +71,7 @@ CLIENT_EVENTS: list[ClientEvent] = [
     ResponseCancelEvent(),
     ResponseCancelEvent(event_id="c3"),
     SessionCloseEvent(),
+    SessionResumeEvent(session_id="sess_1", resume_token="tok", event_id="r1"),
 ]
 
 SERVER_EVENTS: list[ServerEvent] = [
@@ -91,6 +95,15 @@ SERVER_EVENTS: list[ServerEvent] = [
     ResponseDoneEvent(frame_index=0, status="completed"),
     SessionClosedEvent(session_id="sess_1", reason="idle_timeout", frames_total=12),
     ServerDrainingEvent(seconds_left=19.5),
+    SessionResumedEvent(
+        session_id="sess_1",
+        config=SessionConfig(model="test-model", resumable=ResumableConfig(grace_s=30.0)),
+        limits=LIMITS,
+        next_frame_index=4,
+        in_flight_frame_index=None,
+        missed_response=ResponseDoneEvent(frame_index=3, status="completed", text="hi"),
+        resume_token="tok-2",
+    ),
     ErrorEvent(
         error=ErrorDetail(
             type="invalid_request_error",

@@ -25,12 +25,15 @@ from protocol import (
     OpenSession,
     RealtimeError,
     ResponseCancelEvent,
+    ResumableConfig,
+    ResumeSession,
     SessionAlreadyOpen,
     SessionClosed,
     SessionCloseEvent,
     SessionNotOpen,
     SessionOpenEvent,
     SessionProtocol,
+    SessionResumeEvent,
     State,
     SubmitFrame,
     UndecodableFrame,
@@ -39,8 +42,13 @@ from protocol import (
 from protocol.state import REFUSALS, TRANSITIONS
 
 LIMITS = Limits(
-    server_version="0.1.0", model="test-model", max_frame_bytes=1000, max_tokens_cap=128
+    server_version="0.1.0",
+    model="test-model",
+    max_frame_bytes=1000,
+    max_tokens_cap=128,
+    max_resume_grace_s=30.0,
 )
+RESUMABLE = ResumableConfig(grace_s=10.0)
 
 
 def new() -> SessionProtocol:
@@ -62,13 +70,17 @@ def submit(proto: SessionProtocol, **payload: Any) -> SubmitFrame:
 
 
 # Fixtures that put a fresh machine in each state, satisfying the table's guards:
-# IDLE has accepted no chunk yet (OPEN_REFUSED allowed); CLOSED has a reply draining.
+# IDLE has accepted no chunk yet (OPEN_REFUSED allowed); CLOSED has a reply draining; every
+# open session is resumable (DETACH allowed).
 def _in_state(state: State) -> SessionProtocol:
     proto = new()
     if state is State.CONNECTED:
         return proto
-    proto.receive_client_event(SessionOpenEvent())
+    proto.receive_client_event(SessionOpenEvent(resumable=RESUMABLE))
     if state is State.IDLE:
+        return proto
+    if state is State.PARKED:
+        proto.detach()
         return proto
     if state is State.AWAITING_BINARY:
         proto.receive_client_event(FrameAppendEvent(binary=True))
@@ -76,6 +88,8 @@ def _in_state(state: State) -> SessionProtocol:
     submit(proto)
     if state is State.CLOSED:
         proto.receive_client_event(SessionCloseEvent())
+    if state is State.PARKED_AWAITING_RESPONSE:
+        proto.detach()
     return proto
 
 
@@ -100,6 +114,12 @@ def _apply(proto: SessionProtocol, inp: Input) -> object:
         Input.IDLE_TIMEOUT: lambda: proto.server_close("idle_timeout"),
         Input.SERVER_SHUTDOWN: lambda: proto.server_close("server_shutdown"),
         Input.FATAL_ERROR: lambda: proto.server_close("error"),
+        Input.SESSION_RESUME: lambda: proto.receive_client_event(
+            SessionResumeEvent(session_id="sess_other", resume_token="tok", event_id="ev")
+        ),
+        Input.DETACH: proto.detach,
+        Input.RESUMED: lambda: proto.resumed("tok-2"),
+        Input.EXPIRE: lambda: proto.server_close("expired"),
     }
     return steps[inp]()
 
@@ -112,6 +132,7 @@ _CLIENT_INPUTS = {
     Input.BINARY,
     Input.RESPONSE_CANCEL,
     Input.SESSION_CLOSE,
+    Input.SESSION_RESUME,
 }
 
 
@@ -158,12 +179,18 @@ EXPECTED_REFUSAL_CODES = {
         "RESPONSE_CANCEL": "session_not_open",
         "OPEN_REFUSED": "internal_error",
         "RESPONSE_DONE": "internal_error",
+        "DETACH": "internal_error",
+        "RESUMED": "internal_error",
+        "EXPIRE": "internal_error",
     },
     "IDLE": {
         "SESSION_OPEN": "session_already_open",
         "BINARY": "binary_unexpected",
         "RESPONSE_CANCEL": "no_response_in_flight",
         "RESPONSE_DONE": "internal_error",
+        "SESSION_RESUME": "session_already_open",
+        "RESUMED": "internal_error",
+        "EXPIRE": "internal_error",
     },
     "AWAITING_BINARY": {
         "SESSION_OPEN": "session_already_open",
@@ -172,6 +199,9 @@ EXPECTED_REFUSAL_CODES = {
         "RESPONSE_CANCEL": "no_response_in_flight",
         "OPEN_REFUSED": "internal_error",
         "RESPONSE_DONE": "internal_error",
+        "SESSION_RESUME": "session_already_open",
+        "RESUMED": "internal_error",
+        "EXPIRE": "internal_error",
     },
     "AWAITING_RESPONSE": {
         "SESSION_OPEN": "session_already_open",
@@ -179,6 +209,9 @@ EXPECTED_REFUSAL_CODES = {
         "FRAME_ANNOUNCE": "chunk_in_flight",
         "BINARY": "binary_unexpected",
         "OPEN_REFUSED": "internal_error",
+        "SESSION_RESUME": "session_already_open",
+        "RESUMED": "internal_error",
+        "EXPIRE": "internal_error",
     },
     "CLOSED": {
         "SESSION_OPEN": "session_closed",
@@ -188,6 +221,30 @@ EXPECTED_REFUSAL_CODES = {
         "RESPONSE_CANCEL": "session_closed",
         "SESSION_CLOSE": "session_closed",
         "OPEN_REFUSED": "internal_error",
+        "SESSION_RESUME": "session_closed",
+        "DETACH": "internal_error",
+        "RESUMED": "internal_error",
+    },
+    # Nothing feeds a parked session client events; its clock is the grace period.
+    **{
+        parked: {
+            name: "internal_error"
+            for name in (
+                "SESSION_OPEN",
+                "FRAME_APPEND",
+                "FRAME_ANNOUNCE",
+                "BINARY",
+                "RESPONSE_CANCEL",
+                "SESSION_CLOSE",
+                "SESSION_RESUME",
+                "OPEN_REFUSED",
+                "DISCONNECT",
+                "IDLE_TIMEOUT",
+                "DETACH",
+            )
+        }
+        | ({"RESPONSE_DONE": "internal_error"} if parked == "PARKED" else {})
+        for parked in ("PARKED", "PARKED_AWAITING_RESPONSE")
     },
 }
 
@@ -481,3 +538,95 @@ def test_errors_before_open() -> None:
     proto.receive_client_event(SessionOpenEvent())
     with pytest.raises(SessionAlreadyOpen):
         proto.receive_client_event(SessionOpenEvent())
+
+
+# -- resumption
+
+
+def test_open_caps_resumable_grace_and_plain_sessions_stay_plain() -> None:
+    proto = new()
+    action = proto.receive_client_event(SessionOpenEvent(resumable=ResumableConfig(grace_s=600)))
+    assert isinstance(action, OpenSession)
+    assert action.config.resumable == ResumableConfig(grace_s=30.0)  # LIMITS caps at 30 s
+    assert action.event.resume_token is None  # the server fills it in
+    assert opened().config is not None and opened().config.resumable is None  # type: ignore[union-attr]
+    off = SessionProtocol(LIMITS.model_copy(update={"max_resume_grace_s": 0.0}))
+    action = off.receive_client_event(SessionOpenEvent(resumable=RESUMABLE))
+    assert isinstance(action, OpenSession) and action.config.resumable is None
+
+
+def test_detach_needs_a_resumable_session() -> None:
+    proto = opened()
+    with pytest.raises(InternalError):
+        proto.detach()
+    assert proto.state is State.IDLE
+
+
+def test_session_resume_asks_the_server_to_look_up() -> None:
+    proto = new()
+    action = proto.receive_client_event(
+        SessionResumeEvent(session_id="sess_a", resume_token="secret", event_id="r1")
+    )
+    assert action == ResumeSession("sess_a", "secret", "r1")
+    assert proto.state is State.CONNECTED
+
+
+def test_park_idle_and_resume_continues_frame_indices() -> None:
+    proto = _in_state(State.IDLE)
+    first = submit(proto)
+    proto.response_finished("completed", text="a")
+    proto.detach()
+    assert proto.state is State.PARKED
+    resumed = proto.resumed("tok-2")
+    assert proto.state is State.IDLE
+    assert resumed.session_id == "sess_test" and resumed.resume_token == "tok-2"
+    assert resumed.next_frame_index == first.frame.frame_index + 1 == 1
+    assert resumed.missed_response is None and resumed.in_flight_frame_index is None
+    assert resumed.config.resumable == RESUMABLE
+    assert submit(proto).frame.frame_index == 1
+
+
+def test_reply_finishing_while_parked_is_handed_over_exactly_once() -> None:
+    proto = _in_state(State.IDLE)
+    submit(proto, image=b64(JPEG), frame_id="f0")
+    proto.detach()
+    assert proto.state is State.PARKED_AWAITING_RESPONSE
+    done = proto.response_finished("completed", text="the reply")
+    assert proto.state is State.PARKED and proto.missed_response == done
+    resumed = proto.resumed("tok-2")
+    assert resumed.missed_response == done and resumed.missed_response.frame_id == "f0"
+    assert resumed.next_frame_index == 1
+    # Parked and resumed again: the response.done is not handed over a second time.
+    proto.detach()
+    assert proto.resumed("tok-3").missed_response is None
+
+
+def test_resume_while_the_reply_still_runs() -> None:
+    proto = _in_state(State.PARKED_AWAITING_RESPONSE)
+    resumed = proto.resumed("tok-2")
+    assert proto.state is State.AWAITING_RESPONSE
+    assert resumed.in_flight_frame_index == 0 and resumed.missed_response is None
+    # The reply's response.done then goes to the new connection the usual way.
+    assert proto.response_finished("completed").frame_index == 0
+    assert proto.state is State.IDLE
+
+
+def test_parked_awaiting_binary_drops_the_announcement() -> None:
+    proto = _in_state(State.AWAITING_BINARY)
+    proto.detach()
+    assert proto.state is State.PARKED and proto.pending_frame is None
+    proto.resumed("tok-2")
+    assert proto.state is State.IDLE and proto.frames_total == 0
+
+
+@pytest.mark.parametrize("state", [State.PARKED, State.PARKED_AWAITING_RESPONSE])
+def test_expiry_closes_with_reason_expired(state: State) -> None:
+    proto = _in_state(state)
+    close = proto.server_close("expired")
+    assert isinstance(close, CloseSession)
+    assert close.reason == "expired" and close.event.reason == "expired"
+    assert proto.state is State.CLOSED
+    if state is State.PARKED_AWAITING_RESPONSE:
+        # The reply still running is drained like at any close.
+        assert close.in_flight is not None
+        assert proto.response_finished("cancelled", status_reason="expired").frame_index == 0
