@@ -36,6 +36,8 @@ __all__ = [
     "SERVER_EVENT_ADAPTER",
     "SERVER_EVENT_TYPES",
     "ClientEvent",
+    "ClientSecret",
+    "ClientSecretRequest",
     "CloseReason",
     "ErrorDetail",
     "ErrorEvent",
@@ -556,6 +558,38 @@ ServerEvent: TypeAlias = Annotated[
 
 SERVER_EVENT_ADAPTER: TypeAdapter[ServerEvent] = TypeAdapter(ServerEvent)
 """Validator/serializer for :data:`ServerEvent`."""
+
+
+# --------------------------------------------------------------------------- HTTP: client secrets
+
+
+class ClientSecretRequest(_Inbound):
+    """Body of ``POST /v1/realtime/client_secrets`` (authenticated with the API key)."""
+
+    expires_in_s: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Lifetime of the secret, seconds (capped by the server); null: its default.",
+    )
+    session: SessionConfig | None = Field(
+        default=None,
+        description="Bind the secret to this session config: session.open then opens exactly it.",
+    )
+
+
+class ClientSecret(_Outbound):
+    """Answer of ``POST /v1/realtime/client_secrets``: a browser's short-lived credential."""
+
+    client_secret: str = Field(
+        description="Offer as the subprotocol vllm-realtime.auth.<client_secret>."
+    )
+    expires_at: float = Field(description="Unix time (seconds) after which no connection opens.")
+    expires_in_s: float = Field(gt=0, description="Lifetime granted, seconds.")
+    session: SessionConfig | None = Field(
+        default=None, description="The session config the secret is bound to; null: none."
+    )
+
 
 CLIENT_EVENT_TYPES: dict[
     str,

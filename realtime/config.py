@@ -34,12 +34,21 @@ class ServerConfig:
     # Cap on session.open.resumable.grace_s: how long a dropped resumable session is kept
     # (KV and admission reservation included) for session.resume; 0: no session is resumable.
     max_resume_grace_s: float = 60.0
+    # Browser credentials (POST /v1/realtime/client_secrets): default and longest lifetime.
+    client_secret_ttl_s: float = 60.0
+    max_client_secret_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.retention_max_position is not None and self.retention_max_position < 1:
             raise ValueError(
                 f"retention_max_position must be >= 1, got {self.retention_max_position}"
             )
+        from realtime.client_secrets import SECRET_PREFIX
+
+        if any(k.startswith(SECRET_PREFIX) for k in self.accepted_keys()):
+            raise ValueError(f"API keys must not start with {SECRET_PREFIX!r} (client secrets do)")
+        if not 0 < self.client_secret_ttl_s <= self.max_client_secret_ttl_s:
+            raise ValueError("need 0 < client_secret_ttl_s <= max_client_secret_ttl_s")
         if self.max_resume_grace_s < 0:
             raise ValueError(f"max_resume_grace_s must be >= 0, got {self.max_resume_grace_s}")
         if self.drain_timeout_s < 0:

@@ -27,6 +27,8 @@ from protocol import (
     AwaitBinary,
     CancelResponse,
     ChunkInFlight,
+    ClientSecret,
+    ClientSecretRequest,
     CloseSession,
     EngineError,
     ErrorEvent,
@@ -46,6 +48,7 @@ from protocol import (
     ServerEvent,
     SessionConfig,
     SessionNotFound,
+    SessionOpenEvent,
     SessionProtocol,
     State,
     SubmitFrame,
@@ -57,6 +60,7 @@ from protocol import (
     parse_client_event,
     select_subprotocol,
 )
+from realtime.client_secrets import SECRET_PREFIX, ClientSecrets
 from realtime.config import ServerConfig
 from realtime.drain import Lifecycle, drain
 from realtime.hub import SessionHub, SessionRecord
@@ -172,8 +176,11 @@ class Connection:
         lifecycle: Lifecycle | None = None,
         resumable: ResumeTokens[Connection] | None = None,
         connections: set[Connection] | None = None,
+        bound_config: SessionConfig | None = None,
     ) -> None:
         self.ws = ws
+        # Connected with a client secret bound to a session config: session.open opens it.
+        self.bound_config = bound_config
         self.lifecycle = lifecycle or Lifecycle(hub.config.drain_timeout_s)
         self.resume_tokens = resumable
         # The server's live connections (drain walks them); a parked one stays in until closed.
@@ -365,6 +372,8 @@ class Connection:
                     text if text is not None else b"", max_bytes=self.proto.limits.max_event_bytes
                 )
                 event_id = event.event_id
+                if isinstance(event, SessionOpenEvent) and self.bound_config is not None:
+                    event = SessionOpenEvent(**dict(self.bound_config), event_id=event_id)
                 if isinstance(event, FrameAppendEvent) and not self.frames.take():
                     raise RateLimited(
                         f"more than {self.frames.rate:g} frames per second (burst "
@@ -530,6 +539,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
     connections: set[Connection] = set()
     lifecycle = Lifecycle(config.drain_timeout_s)
     resume_tokens: ResumeTokens[Connection] = ResumeTokens()
+    client_secrets = ClientSecrets()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -606,12 +616,20 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
         hub = hub_of(ws)
         offered = [p for p in ws.scope.get("subprotocols", [])]
         key = api_key_from_handshake(ws.headers.get("authorization"), offered)
-        if not _key_accepted(config, key):
+        bound: SessionConfig | None = None
+        if key is not None and key.startswith(SECRET_PREFIX):
+            # A client secret: live, or refused (also on a server without API keys).
+            grant = client_secrets.redeem(key)
+            if grant is None:
+                await ws.close(code=1008)
+                return
+            key, bound = grant.owner, grant.session
+        elif not _key_accepted(config, key):
             # Refuse in the handshake: the client learns 403, nothing else.
             await ws.close(code=1008)
             return
         await ws.accept(subprotocol=select_subprotocol(offered))
-        conn = Connection(ws, hub, key, lifecycle, resume_tokens, connections)
+        conn = Connection(ws, hub, key, lifecycle, resume_tokens, connections, bound)
         connections.add(conn)
         try:
             resumed = await conn.run()
@@ -622,6 +640,40 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
             if conn.closed:
                 # A parked connection stays listed (the drain and the watchdog reach it).
                 connections.discard(conn)
+
+    @app.post("/v1/realtime/client_secrets")
+    async def mint_client_secret(request: Request) -> JSONResponse:
+        """A short-lived browser credential (realtime/client_secrets.py); needs the API key."""
+        if (denied := require_key(request)) is not None:
+            return denied
+        try:
+            raw = await _read_body(request, 1 << 20)
+            try:
+                body = (
+                    ClientSecretRequest.model_validate_json(raw)
+                    if raw.strip()
+                    else ClientSecretRequest()
+                )
+            except ValueError as exc:
+                raise InvalidEvent(f"client secret request: {str(exc)[:300]}") from None
+            if body.session is not None and body.session.model not in (
+                None,
+                hub_of(request).model_name,
+            ):
+                raise InvalidEvent(
+                    f"session.model: this server serves {hub_of(request).model_name!r}"
+                )
+        except RealtimeError as exc:
+            return _error_response(exc, _status_for(exc))
+        ttl = min(body.expires_in_s or config.client_secret_ttl_s, config.max_client_secret_ttl_s)
+        secret = client_secrets.mint(http_key(request), ttl, body.session)
+        answer = ClientSecret(
+            client_secret=secret,
+            expires_at=time.time() + ttl,
+            expires_in_s=ttl,
+            session=body.session,
+        )
+        return JSONResponse(answer.model_dump(mode="json"))
 
     # -- HTTP adapter over the same session layer
 
@@ -647,8 +699,6 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
                 )
             except ValueError as exc:
                 raise InvalidEvent(f"session config: {str(exc)[:300]}") from None
-            from protocol import SessionOpenEvent
-
             lifecycle.check_admitting()
             proto = hub.new_protocol()
             # dict(model), not model_dump(exclude_none=True): dropping nulls turned an explicit
@@ -739,6 +789,7 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
 
     app.state.lifecycle = lifecycle
     app.state.resume_tokens = resume_tokens
+    app.state.client_secrets = client_secrets
     app.state.connections = connections
     app.state.drain = drain_app
     if STATIC_DIR.is_dir():

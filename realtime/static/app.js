@@ -18,6 +18,7 @@ const state = {
   timer: null,
   frameNo: 0,
   sessions: 0,
+  secrets: 0, // client secrets minted (when this server serves the page)
   sent: 0,
   dropped: 0,
   dones: [], // one entry per reply, across sessions
@@ -81,10 +82,31 @@ async function start() {
   }
 }
 
+// When this very server serves the page, trade the typed key for a short-lived client secret
+// (docs/protocol.md, "Browser credentials") and connect with that: the key itself never goes
+// over the WebSocket. A page served elsewhere would get its secret from its own backend.
+async function credential(s) {
+  const target = new URL(s.url, location.href);
+  const sameServer = location.protocol.startsWith("http") && target.host === location.host;
+  if (!sameServer) return s.apiKey;
+  const headers = { "Content-Type": "application/json" };
+  if (s.apiKey) headers.Authorization = `Bearer ${s.apiKey}`;
+  const res = await fetch("/v1/realtime/client_secrets", { method: "POST", headers, body: "{}" });
+  if (res.status === 404) return s.apiKey; // a server without client secrets
+  const body = await res.json().catch(() => null);
+  if (!res.ok) {
+    const err = new Error(body?.error?.message || `client secret: HTTP ${res.status}`);
+    err.code = body?.error?.code || "connection_failed";
+    throw err;
+  }
+  state.secrets += 1;
+  return body.client_secret;
+}
+
 async function openSession() {
   const s = settings();
   setStatus("connecting…", "connecting");
-  const client = await RealtimeClient.connect(s.url, { apiKey: s.apiKey, timeoutMs: 120000 });
+  const client = await RealtimeClient.connect(s.url, { apiKey: await credential(s), timeoutMs: 120000 });
   state.client = client;
   client.on("close", () => onSessionEnded(client));
   const retention = s.window > 0 ? { window_chunks: s.window } : { enabled: false };

@@ -52,7 +52,8 @@ async def test_demo_page_streams_the_camera_and_shows_replies(
         str(JS_DIR / "e2e" / "demo.e2e.mjs"),
         {
             "DEMO_URL": client_server.http + "/",
-            "DEMO_API_KEY": CLIENT_KEY,  # travels as the vllm-realtime.auth.<key> subprotocol
+            # The page trades it for a client secret, which travels as the subprotocol.
+            "DEMO_API_KEY": CLIENT_KEY,
             "DEMO_FRAMES": str(FRAMES),
             "DEMO_FPS": "5",
             "DEMO_WIDTH": "112",
@@ -69,6 +70,8 @@ async def test_demo_page_streams_the_camera_and_shows_replies(
     assert summary["pageErrors"] == [] and summary["errors"] == [], summary
     assert summary["status"] == "streaming" and summary["finalStatus"] == "stopped"
     assert summary["sessions"] == 1 and summary["model"] == "tiny-qwen2-vl"
+    # Served by the server, the page connected with a minted client secret, not the key.
+    assert summary["secrets"] == 1 and len(client_server.app.state.client_secrets) >= 1  # type: ignore[attr-defined]
     assert summary["video"]["width"] > 0, "the fake camera delivered no video"
 
     dones = summary["dones"]

@@ -76,6 +76,7 @@ try {
       sent: s.sent,
       dropped: s.dropped,
       sessions: s.sessions,
+      secrets: s.secrets,
       dones: s.dones,
       dom: [...document.querySelectorAll("#replies li")].map((li) => ({
         frame_index: Number(li.dataset.frameIndex),
