@@ -43,7 +43,11 @@ class RunningServer:
 
 
 async def _serve(
-    engine: object, api_key: str | None, model_name: str = "tiny-qwen2-vl", **cfg: object
+    engine: object,
+    api_key: str | None,
+    model_name: str = "tiny-qwen2-vl",
+    port: int | None = None,
+    **cfg: object,
 ) -> AsyncIterator[RunningServer]:
     import uvicorn
 
@@ -51,7 +55,7 @@ async def _serve(
     from realtime.hub import SessionHub
     from realtime.server import create_app
 
-    port = free_port()
+    port = port or free_port()
     config = ServerConfig(port=port, api_key=api_key, **cfg)  # type: ignore[arg-type]
 
     async def hub_factory() -> SessionHub:

@@ -17,6 +17,14 @@ One background task reads the socket and routes every server event to the call w
 in flight; ``session.closed`` ends everything.  Every client event carries an ``event_id``, so
 an error is matched to the call that caused it; errors that answer no pending call (e.g. the
 ``undecodable_frame`` that follows a ``failed`` reply) are kept in :attr:`RealtimeSession.errors`.
+
+A session opened with ``resumable={"grace_s": N}`` is *resilient*: when the socket drops, the
+reader reconnects (at most ``max_retries`` times, with backoff) and sends ``session.resume``; the
+reply in flight then completes from ``session.resumed`` (its ``response.done``, or the rest of
+the stream), and a chunk the server never accepted is sent again.  When the server drains
+(``server.draining``) or the session cannot be resumed (expired, the server restarted), it opens
+a new session with the same settings on a new connection: :attr:`RealtimeSession.session_id`
+changes and :attr:`RealtimeSession.generation` counts up.  Calls made meanwhile wait.
 """
 
 from __future__ import annotations
@@ -52,8 +60,10 @@ from protocol.events import (
     ResponseCreatedEvent,
     ResponseDoneEvent,
     ResponseTextDeltaEvent,
+    ResumableConfig,
     RetentionConfig,
     SamplingConfig,
+    ServerDrainingEvent,
     ServerEvent,
     SessionClosedEvent,
     SessionCloseEvent,
@@ -61,6 +71,8 @@ from protocol.events import (
     SessionCreatedEvent,
     SessionOpenedEvent,
     SessionOpenEvent,
+    SessionResumedEvent,
+    SessionResumeEvent,
 )
 from vllm_realtime_client.errors import (
     ConnectError,
@@ -128,6 +140,8 @@ class _Turn:
     def __init__(self, event_id: str, frame_id: str | None) -> None:
         self.event_id = event_id
         self.frame_id = frame_id
+        # What was sent, to send again if the server never accepted it (resilient sessions).
+        self.messages: list[str | bytes] = []
         self.events: asyncio.Queue[ServerEvent | BaseException] = asyncio.Queue()
         self.finished = asyncio.Event()
         self.ack: InputAckEvent | None = None
@@ -252,9 +266,11 @@ class RealtimeSession:
         timeout: float | None,
         close_timeout: float,
         on_event: Callable[[ServerEvent], None] | None,
+        connector: Connector | None = None,
     ) -> None:
         self._ws = ws
         self._created = created
+        self._connector = connector
         self._opened: SessionOpenedEvent | None = None
         self._closed: SessionClosedEvent | None = None
         self._fatal: BaseException | None = None
@@ -271,14 +287,35 @@ class RealtimeSession:
         self._background: set[asyncio.Task[Any]] = set()
         self.errors: deque[RealtimeError] = deque(maxlen=_MAX_KEPT_ERRORS)
         """Surviving ``error`` events that answered no pending call (newest last)."""
+        # Resilience (resumable sessions): the token, the index the next accepted chunk gets,
+        # whether chunks may be sent now (cleared while reconnecting or draining).
+        self._resume_token: str | None = None
+        self._next_index = 0
+        self._ready = asyncio.Event()
+        self._ready.set()
+        self._moving = False  # session.closed(server_shutdown) of a resilient session arrived
+        self._user_closing = False
+        self.generation = 1
+        """Sessions this object has been through: 1, then +1 for every new session it opened
+        after a drain or a failed resume (a resumed session keeps its number)."""
+        self.resumes = 0
+        """Successful session.resume so far."""
+        self.draining: ServerDrainingEvent | None = None
+        """The last ``server.draining`` received on the current connection."""
         self._reader = asyncio.create_task(self._read_loop(), name="vllm-realtime-reader")
 
     # ------------------------------------------------------------------ state
 
     @property
     def session_id(self) -> str:
-        """The session's id (from ``session.created``)."""
-        return self._created.session_id
+        """The session's id (from ``session.opened``, ``session.resumed`` or the greeting)."""
+        return self._opened.session_id if self._opened is not None else self._created.session_id
+
+    @property
+    def resilient(self) -> bool:
+        """Whether the session resumes after a drop and moves on after a drain (it was opened
+        with ``resumable`` and the server granted it)."""
+        return self._resume_token is not None and self._connector is not None
 
     @property
     def created(self) -> SessionCreatedEvent:
@@ -327,9 +364,12 @@ class RealtimeSession:
         sampling: SamplingConfig | Mapping[str, Any] | None = None,
         frame_format: FrameFormat | None = None,
         model: str | None = None,
+        resumable: ResumableConfig | Mapping[str, Any] | None = None,
         timeout: _Timeout = _DEFAULT,
     ) -> SessionOpenedEvent:
         """Send ``session.open`` and return the server's ``session.opened``.
+
+        ``resumable={"grace_s": N}`` makes the session resilient (see the module docstring).
 
         ``config`` gives all settings at once; keyword arguments override its fields
         (``retention`` and ``sampling`` may be dicts, e.g. ``{"window_chunks": 4}``).
@@ -351,6 +391,7 @@ class RealtimeSession:
             "sampling": _model(SamplingConfig, sampling),
             "frame_format": frame_format,
             "model": model,
+            "resumable": _model(ResumableConfig, resumable),
         }
         fields.update({k: v for k, v in overrides.items() if v is not None})
         event_id = self._new_id()
@@ -366,6 +407,8 @@ class RealtimeSession:
         finally:
             self._open_wait = None
         self._opened = opened
+        self._resume_token = opened.resume_token
+        self._next_index = 0
         return opened
 
     def stream_frame(
@@ -476,6 +519,7 @@ class RealtimeSession:
         already gone.  Returns the ``session.closed`` event if one arrived.
         """
         wait = self._close_timeout if timeout is None else timeout
+        self._user_closing = True
         try:
             if not self._ended.is_set() and self._fatal is None:
                 with contextlib.suppress(ConnectionLost, SessionClosed):
@@ -560,6 +604,12 @@ class RealtimeSession:
                     raise ResponseTimeout(
                         f"the previous reply was still in flight after {timeout} s"
                     ) from None
+            if not self._ready.is_set():  # reconnecting, or the server drains: wait for it
+                remaining = None if deadline is None else max(deadline - loop.time(), 0)
+                try:
+                    await asyncio.wait_for(self._ready.wait(), remaining)
+                except asyncio.TimeoutError:
+                    raise ResponseTimeout(f"still reconnecting after {timeout} s") from None
             self._check_alive()
             event = payload.event.model_copy(update={"event_id": self._new_id()})
             assert event.event_id is not None
@@ -568,8 +618,14 @@ class RealtimeSession:
             messages: list[str | bytes] = [encode_client_event(event)]
             if payload.binary is not None:
                 messages.append(payload.binary)
+            turn.messages = messages
             try:
                 await self._send(*messages)
+            except ConnectionLost:
+                if not self.resilient:
+                    turn.fail(ConnectionLost("the connection closed while sending"))
+                    raise
+                # The reader is reconnecting; it sends the chunk again unless it was accepted.
             except BaseException as exc:
                 turn.fail(exc if isinstance(exc, Exception) else ConnectionLost("send aborted"))
                 raise
@@ -618,7 +674,23 @@ class RealtimeSession:
     async def _read_loop(self) -> None:
         reason = "the server closed the connection without session.closed"
         try:
-            async for message in self._ws:
+            while True:
+                reason = await self._read_socket(self._ws)
+                if self._user_closing or not self.resilient or self._fatal is not None:
+                    break
+                if self._closed is not None and not self._moving:
+                    break
+                # Dropped: resume. Drained (or the resume is refused): a new session.
+                if not await self._recover(fresh=self._moving):
+                    reason = f"{reason}; reconnecting failed after {self._max_retries()} tries"
+                    break
+        finally:
+            self._end(ConnectionLost(reason))
+
+    async def _read_socket(self, ws: ClientConnection) -> str:
+        """Dispatch the events of one socket until it ends; why it ended."""
+        try:
+            async for message in ws:
                 if isinstance(message, bytes):
                     log.debug("ignoring a binary message from the server")
                     continue
@@ -629,9 +701,164 @@ class RealtimeSession:
                     continue
                 self._dispatch(event)
         except ConnectionClosed as exc:
-            reason = f"the connection broke: {exc}"
-        finally:
-            self._end(ConnectionLost(reason))
+            return f"the connection broke: {exc}"
+        return "the server closed the connection without session.closed"
+
+    # ------------------------------------------------------------------ resilience
+
+    def _max_retries(self) -> int:
+        return 0 if self._connector is None else self._connector.max_retries
+
+    async def _recover(self, *, fresh: bool) -> bool:
+        """Reconnect: resume the session, or (``fresh``, or the resume refused) open a new one
+        with the same settings. At most ``max_retries`` connection attempts, with backoff."""
+        connector = self._connector
+        assert connector is not None and self._opened is not None
+        self._ready.clear()
+        delay = connector.retry_backoff
+        for attempt in range(connector.max_retries):
+            if attempt:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 8.0)
+            if self._user_closing:
+                return False
+            try:
+                ws, greeting = await connector._handshake()
+            except Unauthorized:
+                return False  # the key (or secret) is no longer good: retrying will not help
+            except (ConnectError, RealtimeError) as exc:
+                log.info("reconnect attempt %d failed: %s", attempt + 1, exc)
+                continue
+            try:
+                if not fresh:
+                    resumed = await self._exchange(ws, self._resume_event(), SessionResumedEvent)
+                    if isinstance(resumed, SessionResumedEvent):
+                        await self._adopt(ws, greeting, resumed)
+                        return True
+                    log.info("session.resume refused (%s): opening a new session", resumed)
+                    fresh = True
+                    with contextlib.suppress(Exception):
+                        await ws.close()
+                    delay = connector.retry_backoff
+                    continue  # the refusal ended that connection; open on a new one
+                opened = await self._exchange(ws, self._reopen_event(), SessionOpenedEvent)
+                if isinstance(opened, SessionOpenedEvent):
+                    await self._adopt(ws, greeting, opened)
+                    return True
+                log.info("reopening refused (%s); retrying", opened)
+            except (ConnectionClosed, asyncio.TimeoutError, OSError) as exc:
+                log.info("reconnect attempt %d broke: %r", attempt + 1, exc)
+            with contextlib.suppress(Exception):
+                await ws.close()
+        return False
+
+    def _resume_event(self) -> SessionResumeEvent:
+        assert self._resume_token is not None
+        return SessionResumeEvent(
+            event_id=self._new_id(), session_id=self.session_id, resume_token=self._resume_token
+        )
+
+    def _reopen_event(self) -> SessionOpenEvent:
+        assert self._opened is not None
+        config = self._opened.config
+        fields = {name: getattr(config, name) for name in SessionConfig.model_fields}
+        return SessionOpenEvent(event_id=self._new_id(), **fields)
+
+    async def _exchange(
+        self, ws: ClientConnection, event: SessionResumeEvent | SessionOpenEvent, want: type[_T]
+    ) -> _T | str:
+        """Send one event on a fresh socket and read up to its answer: the answer, or the code
+        of the error that refused it."""
+        await ws.send(encode_client_event(event))
+        assert self._connector is not None
+        while True:
+            raw = await asyncio.wait_for(ws.recv(), self._connector.open_timeout)
+            if isinstance(raw, bytes):
+                continue
+            answer = parse_server_event(raw)
+            if isinstance(answer, want):
+                return answer
+            if isinstance(answer, ErrorEvent):
+                return answer.error.code
+            if isinstance(answer, SessionClosedEvent):  # e.g. the server drains
+                return f"session.closed ({answer.reason})"
+
+    async def _adopt(
+        self,
+        ws: ClientConnection,
+        greeting: SessionCreatedEvent,
+        answer: SessionResumedEvent | SessionOpenedEvent,
+    ) -> None:
+        """Carry on with the session on ``ws``; finish or resend the chunk in flight."""
+        old, self._ws = self._ws, ws
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(old.close(), 1.0)
+        self._created = greeting
+        self._closed = None
+        self._moving = False
+        self.draining = None
+        turn = self._turn
+        pending = turn is not None and not turn.finished.is_set()
+        expected = self._next_index if turn is None or turn.ack is None else turn.ack.frame_index
+        if isinstance(answer, SessionResumedEvent):
+            self.resumes += 1
+            self._resume_token = answer.resume_token
+            self._opened = SessionOpenedEvent(
+                session_id=answer.session_id,
+                config=answer.config,
+                limits=answer.limits,
+                resume_token=answer.resume_token,
+            )
+            self._next_index = answer.next_frame_index
+            self._emit(answer)
+            if pending:
+                assert turn is not None
+                missed = answer.missed_response
+                if missed is not None and missed.frame_index == expected:
+                    self._ack(turn, expected)
+                    turn.finish(missed)
+                    self._next_index = max(self._next_index, expected + 1)
+                elif answer.in_flight_frame_index == expected:
+                    self._ack(turn, expected)  # the rest of the reply comes on this socket
+                elif turn.ack is None:
+                    await self._resend(turn)
+                else:  # pragma: no cover (the server keeps an accepted reply until resumed)
+                    turn.fail(ConnectionLost("the reply in flight was lost with the connection"))
+        else:
+            self.generation += 1
+            self._opened = answer
+            self._resume_token = answer.resume_token
+            self._next_index = 0
+            self._emit(answer)
+            if pending:
+                assert turn is not None
+                if turn.ack is None:
+                    await self._resend(turn)  # never accepted: it goes to the new session
+                else:
+                    turn.fail(ConnectionLost("the reply in flight was lost with the session"))
+        self._ready.set()
+        log.info(
+            "session %s on a new connection (%s)",
+            self.session_id[:12],
+            "resumed" if isinstance(answer, SessionResumedEvent) else "new session",
+        )
+
+    def _ack(self, turn: _Turn, frame_index: int) -> None:
+        if turn.ack is None:
+            turn.ack = InputAckEvent(frame_index=frame_index, frame_id=turn.frame_id, bytes=0)
+            turn.events.put_nowait(turn.ack)
+
+    async def _resend(self, turn: _Turn) -> None:
+        async with self._send_lock:
+            for message in turn.messages:
+                await self._ws.send(message)
+
+    def _emit(self, event: ServerEvent) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(event)
+            except Exception:
+                log.exception("on_event callback failed")
 
     def _end(self, exc: BaseException) -> None:
         """The socket is gone: fail whatever still waits."""
@@ -650,13 +877,10 @@ class RealtimeSession:
             turn.fail(exc)
 
     def _dispatch(self, event: ServerEvent) -> None:
-        if self._on_event is not None:
-            try:
-                self._on_event(event)
-            except Exception:
-                log.exception("on_event callback failed")
+        self._emit(event)
         turn = self._turn
         if isinstance(event, InputAckEvent):
+            self._next_index = event.frame_index + 1
             if turn is not None and turn.ack is None and not turn.finished.is_set():
                 turn.ack = event
                 turn.events.put_nowait(event)
@@ -673,7 +897,15 @@ class RealtimeSession:
         elif isinstance(event, SessionOpenedEvent):
             if self._open_wait is not None and not self._open_wait[1].done():
                 self._open_wait[1].set_result(event)
+        elif isinstance(event, ServerDrainingEvent):
+            self.draining = event
+            if self.resilient:
+                # Finish the reply in flight; new chunks wait for the next session.
+                self._ready.clear()
         elif isinstance(event, SessionClosedEvent):
+            if self.resilient and event.reason == "server_shutdown" and not self._user_closing:
+                self._moving = True  # the reader opens a new session once the socket ends
+                return
             self._closed = event
             exc = self._fatal or SessionClosed(f"the session was closed ({event.reason})")
             self._fail_pending(exc, include_acked=True)
@@ -726,6 +958,8 @@ class Connector:
         timeout: float | None,
         close_timeout: float,
         on_event: Callable[[ServerEvent], None] | None,
+        max_retries: int = 8,
+        retry_backoff: float = 0.5,
     ) -> None:
         if auth not in ("header", "subprotocol"):
             raise ValueError(f"auth must be 'header' or 'subprotocol', not {auth!r}")
@@ -737,6 +971,8 @@ class Connector:
         self.timeout = timeout
         self.close_timeout = close_timeout
         self.on_event = on_event
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
         self._session: RealtimeSession | None = None
 
     def __await__(self) -> Generator[Any, None, RealtimeSession]:
@@ -756,6 +992,25 @@ class Connector:
             await self._session.close()
 
     async def _connect(self) -> RealtimeSession:
+        ws, greeting = await self._handshake()
+        session = RealtimeSession(
+            ws,
+            greeting,
+            timeout=self.timeout,
+            close_timeout=self.close_timeout,
+            on_event=self.on_event,
+            connector=self,
+        )
+        if self.config is not None:
+            try:
+                await session.open(self.config)
+            except BaseException:
+                await session.close()
+                raise
+        return session
+
+    async def _handshake(self) -> tuple[ClientConnection, SessionCreatedEvent]:
+        """Open the WebSocket and read the greeting."""
         subprotocols = [Subprotocol(SUBPROTOCOL)]
         headers: dict[str, str] = {}
         if self.api_key:
@@ -798,20 +1053,7 @@ class Connector:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(ws.close(), self.close_timeout)
             raise
-        session = RealtimeSession(
-            ws,
-            greeting,
-            timeout=self.timeout,
-            close_timeout=self.close_timeout,
-            on_event=self.on_event,
-        )
-        if self.config is not None:
-            try:
-                await session.open(self.config)
-            except BaseException:
-                await session.close()
-                raise
-        return session
+        return ws, greeting
 
 
 def connect(
@@ -824,6 +1066,8 @@ def connect(
     timeout: float | None = 60.0,
     close_timeout: float = 5.0,
     on_event: Callable[[ServerEvent], None] | None = None,
+    max_retries: int = 8,
+    retry_backoff: float = 0.5,
 ) -> Connector:
     """Connect to a vllm-realtime server; ``await`` it or use ``async with``.
 
@@ -840,6 +1084,9 @@ def connect(
     :param close_timeout: seconds :meth:`RealtimeSession.close` waits for ``session.closed``.
     :param on_event: called with every server event, in order (for logging or UIs); it must
         not block.
+    :param max_retries: connection attempts a resilient session (opened with ``resumable``)
+        makes to resume or reopen before it gives up with :class:`ConnectionLost`.
+    :param retry_backoff: seconds before the second attempt; doubled each time, up to 8 s.
     """
     return Connector(
         url,
@@ -850,4 +1097,6 @@ def connect(
         timeout=timeout,
         close_timeout=close_timeout,
         on_event=on_event,
+        max_retries=max_retries,
+        retry_backoff=retry_backoff,
     )

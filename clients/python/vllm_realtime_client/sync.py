@@ -222,6 +222,8 @@ def connect(
     timeout: float | None = 60.0,
     close_timeout: float = 5.0,
     on_event: Callable[[ServerEvent], None] | None = None,
+    max_retries: int = 8,
+    retry_backoff: float = 0.5,
 ) -> SyncSession:
     """Connect and return a :class:`SyncSession` (a context manager); arguments as in
     :func:`vllm_realtime_client.connect`.  ``on_event`` runs on the client's thread."""
@@ -237,6 +239,8 @@ def connect(
             timeout=timeout,
             close_timeout=close_timeout,
             on_event=on_event,
+            max_retries=max_retries,
+            retry_backoff=retry_backoff,
         )
 
     try:
