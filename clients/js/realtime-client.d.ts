@@ -15,7 +15,8 @@ export type CloseReason =
   | "idle_timeout"
   | "engine_error"
   | "server_shutdown"
-  | "error";
+  | "error"
+  | "expired";
 export type ErrorType =
   | "invalid_request_error"
   | "capacity_error"
@@ -40,6 +41,11 @@ export interface SamplingConfig {
   seed?: number | null;
 }
 
+/** Opt-in resumption: a dropped connection parks the session this long (capped by the server). */
+export interface ResumableConfig {
+  grace_s: number;
+}
+
 /** What `open()` sends (every field optional; the server fills defaults). */
 export interface SessionConfig {
   instructions?: string | null;
@@ -48,6 +54,8 @@ export interface SessionConfig {
   sampling?: SamplingConfig;
   frame_format?: FrameFormat;
   model?: string | null;
+  /** Makes the session resilient (resumes after drops, moves on after drains). */
+  resumable?: ResumableConfig | null;
 }
 
 /** The effective settings echoed in session.opened: every field present. */
@@ -58,6 +66,7 @@ export interface EffectiveSessionConfig {
   sampling: Required<SamplingConfig>;
   frame_format: FrameFormat;
   model: string | null;
+  resumable: ResumableConfig | null;
 }
 
 // ---------------------------------------------------------------- server events
@@ -68,6 +77,8 @@ export interface Limits {
   max_sessions: number;
   idle_timeout_s: number;
   max_tokens_cap: number;
+  /** Cap on resumable.grace_s; 0: no session is resumable. */
+  max_resume_grace_s: number;
   server_version: string;
   model: string;
   protocol_version: string;
@@ -117,6 +128,8 @@ export interface SessionOpenedEvent extends ServerEventBase {
   session_id: string;
   config: EffectiveSessionConfig;
   limits: Limits;
+  /** Secret for session.resume; null unless the session is resumable. */
+  resume_token: string | null;
 }
 
 export interface InputAckEvent extends ServerEventBase {
@@ -157,6 +170,25 @@ export interface SessionClosedEvent extends ServerEventBase {
   frames_total: number;
 }
 
+export interface SessionResumedEvent extends ServerEventBase {
+  type: "session.resumed";
+  session_id: string;
+  config: EffectiveSessionConfig;
+  limits: Limits;
+  next_frame_index: number;
+  /** A chunk whose reply still runs: its response.done follows on this connection. */
+  in_flight_frame_index: number | null;
+  /** The response.done that finished while no connection was attached. */
+  missed_response: ResponseDoneEvent | null;
+  /** The new token (the old one no longer works). */
+  resume_token: string;
+}
+
+export interface ServerDrainingEvent extends ServerEventBase {
+  type: "server.draining";
+  seconds_left: number;
+}
+
 export interface ErrorEvent extends ServerEventBase {
   type: "error";
   error: ErrorDetail;
@@ -170,6 +202,8 @@ export type ServerEvent =
   | ResponseTextDeltaEvent
   | ResponseDoneEvent
   | SessionClosedEvent
+  | SessionResumedEvent
+  | ServerDrainingEvent
   | ErrorEvent;
 
 export type ServerEventType = ServerEvent["type"];
@@ -181,7 +215,7 @@ export type ServerEventOf<T extends ServerEventType> = Extract<ServerEvent, { ty
  * A server `error` event (`local: false`, `code` is a wire code such as `chunk_in_flight`), or
  * a client-side failure (`local: true`; codes `chunk_in_flight`, `session_not_open`,
  * `session_already_open`, `undecodable_frame`, `frame_too_large`, `timeout`,
- * `connection_failed`, `connection_lost`, `session_closed`).
+ * `connection_failed`, `connection_lost`, `session_closed`, `reconnecting`).
  */
 export declare class RealtimeError extends Error {
   constructor(
@@ -225,6 +259,10 @@ export interface ClientOptions {
   openTimeoutMs?: number;
   /** Called with every server event, in order. */
   onEvent?: (event: ServerEvent) => void;
+  /** Connection attempts of a resilient session to resume or reopen. Default 8. */
+  maxRetries?: number;
+  /** Wait before the second attempt, doubled each time up to 8 s. Default 500. */
+  retryBackoffMs?: number;
 }
 
 export type FrameData = Blob | ArrayBuffer | ArrayBufferView | string;
@@ -276,10 +314,24 @@ export declare class RealtimeClient {
   /** A chunk is in flight (or being prepared). */
   readonly busy: boolean;
   readonly closed: boolean;
+  /** Opened with `resumable` (granted): resumes after drops, moves on after drains. */
+  readonly resilient: boolean;
+  /** Reconnecting, or the server drains: no chunk goes out (offerFrame drops). */
+  readonly holding: boolean;
+  /** 1, then +1 for every new session opened after a drain or a refused resume. */
+  readonly generation: number;
+  /** Successful session.resume so far. */
+  readonly resumes: number;
+  /** The last server.draining of the current connection. */
+  readonly draining: ServerDrainingEvent | null;
 
   on<T extends ServerEventType>(type: T, listener: (event: ServerEventOf<T>) => void): () => void;
   on(type: "event", listener: (event: ServerEvent) => void): () => void;
   on(type: "close", listener: (info: { code?: number; reason?: string }) => void): () => void;
+  /** The session continued on a new connection (session.resume succeeded). */
+  on(type: "resumed", listener: (event: SessionResumedEvent) => void): () => void;
+  /** A new session replaced the old one (after a drain, or a refused resume). */
+  on(type: "reopened", listener: (event: SessionOpenedEvent) => void): () => void;
 
   open(config?: SessionConfig): Promise<SessionOpenedEvent>;
   appendFrame(data: FrameData, options?: FrameOptions): Promise<ResponseDoneEvent>;

@@ -11,6 +11,12 @@
 // counts) the frame otherwise, so nothing queues. The API key travels as the subprotocol
 // `vllm-realtime.auth.<key>` next to `vllm-realtime`, because browsers cannot set headers.
 // In Node without a global WebSocket (Node 20), pass one: `{ WebSocket: (await import("ws")).WebSocket }`.
+//
+// Resilient sessions: open with `resumable: { grace_s: N }` and the client resumes the session
+// after a dropped connection (at most `maxRetries` attempts, backoff from `retryBackoffMs`), and
+// after `server.draining` (or a refused resume) it opens a new session with the same settings on
+// a new connection once the current reply is done. Meanwhile offerFrame() drops frames and
+// appendFrame() rejects with a local `reconnecting`. Events "resumed" and "reopened" tell a UI.
 
 export const PROTOCOL_VERSION = "2026-12-01";
 export const SUBPROTOCOL = "vllm-realtime";
@@ -97,12 +103,34 @@ export class RealtimeClient {
   }
 
   constructor(url, options = {}) {
-    const { apiKey = null, WebSocket: WS = globalThis.WebSocket, timeoutMs = 60000, openTimeoutMs = 10000, onEvent = null } = options;
+    const {
+      apiKey = null,
+      WebSocket: WS = globalThis.WebSocket,
+      timeoutMs = 60000,
+      openTimeoutMs = 10000,
+      onEvent = null,
+      maxRetries = 8,
+      retryBackoffMs = 500,
+    } = options;
     if (typeof WS !== "function") {
       throw new TypeError("no WebSocket implementation: pass { WebSocket } (e.g. from the 'ws' package)");
     }
     this.url = url;
     this.timeoutMs = timeoutMs;
+    this.openTimeoutMs = openTimeoutMs;
+    this.maxRetries = maxRetries;
+    this.retryBackoffMs = retryBackoffMs;
+    this._WS = WS;
+    this._apiKey = apiKey;
+    this.generation = 1; // +1 for every new session opened after a drain or a refused resume
+    this.resumes = 0; // successful session.resume
+    this.draining = null; // the last server.draining
+    this._resumeToken = null;
+    this._nextIndex = 0;
+    this._recovering = false;
+    this._moving = false; // session.closed(server_shutdown) of a resilient session arrived
+    this._userClosing = false;
+    this._handshake = null; // the one-off waiter of a reconnection
     this.created = null; // session.created
     this.opened = null; // session.opened
     this.closedEvent = null; // session.closed
@@ -122,30 +150,50 @@ export class RealtimeClient {
     this.ready = this._ready.promise;
     this.ready.catch(() => {}); // a caller that never awaits `ready` must not see an unhandled rejection
 
-    const protocols = [SUBPROTOCOL];
-    if (apiKey) protocols.push(AUTH_SUBPROTOCOL_PREFIX + apiKey);
-    const ws = new WS(url, protocols);
-    ws.binaryType = "arraybuffer";
-    this._ws = ws;
+    this._ws = this._dial();
     const openTimer = setTimeout(() => {
       this._ready.reject(localError("connection_failed", `no session.created within ${openTimeoutMs} ms`, false));
       this._closeSocket();
     }, openTimeoutMs);
     this.ready.then(() => clearTimeout(openTimer), () => clearTimeout(openTimer));
+  }
+
+  /** A new socket whose events reach this client only while it is the current one. */
+  _dial() {
+    const protocols = [SUBPROTOCOL];
+    if (this._apiKey) protocols.push(AUTH_SUBPROTOCOL_PREFIX + this._apiKey);
+    const ws = new this._WS(this.url, protocols);
+    ws.binaryType = "arraybuffer";
     ws.onopen = () => {
-      if (ws.protocol && ws.protocol !== SUBPROTOCOL) {
+      if (ws === this._ws && ws.protocol && ws.protocol !== SUBPROTOCOL) {
         this._ready.reject(localError("connection_failed", `server selected subprotocol '${ws.protocol}'`, false));
         this._closeSocket();
       }
     };
-    ws.onmessage = (message) => this._onMessage(message.data);
+    ws.onmessage = (message) => {
+      if (ws === this._ws) this._onMessage(message.data);
+    };
     ws.onerror = () => {}; // a close event always follows; it carries what we can know
-    ws.onclose = (event) => this._onClose(event);
+    ws.onclose = (event) => {
+      if (ws === this._ws) this._onClose(event);
+    };
+    return ws;
   }
 
-  /** The session id from `session.created`. */
+  /** The session's id (from session.opened or session.resumed, else session.created). */
   get sessionId() {
+    if (this.opened) return this.opened.session_id;
     return this.created ? this.created.session_id : null;
+  }
+
+  /** Whether the session resumes after a drop and moves on after a drain. */
+  get resilient() {
+    return this._resumeToken !== null && this.maxRetries > 0;
+  }
+
+  /** True while the client reconnects, or the server drains (no new chunk goes out). */
+  get holding() {
+    return this._recovering || (this.draining !== null && this.resilient);
   }
 
   /** What the server allows (from session.opened, else session.created). */
@@ -160,7 +208,7 @@ export class RealtimeClient {
 
   /** True while a chunk is in flight (sent, its response.done not received yet). */
   get busy() {
-    return this._starting || (this._turn !== null && !this._turn.finished);
+    return this._starting || this.holding || (this._turn !== null && !this._turn.finished);
   }
 
   /** True once the session has ended (either side closed, or the socket went away). */
@@ -188,6 +236,8 @@ export class RealtimeClient {
     try {
       this._send({ type: "session.open", event_id: eventId, ...config });
       this.opened = await this._withTimeout(wait.promise, this.timeoutMs, "session.opened");
+      this._resumeToken = this.opened.resume_token ?? null;
+      this._nextIndex = 0;
       return this.opened;
     } finally {
       this._openWait = null;
@@ -253,6 +303,12 @@ export class RealtimeClient {
    * the socket. A reply in flight is cancelled by the server. Safe to call twice.
    */
   async close({ timeoutMs = 5000 } = {}) {
+    this._userClosing = true;
+    if (this._recovering) {
+      this._closeSocket();
+      this._end(localError("connection_lost", "the client closed while reconnecting", false));
+      return this.closedEvent;
+    }
     if (!this._ended && this.fatal === null && this.closedEvent === null && this._ws.readyState === WS_OPEN) {
       try {
         this._send({ type: "session.close", event_id: this._newId() });
@@ -303,6 +359,7 @@ export class RealtimeClient {
   _checkReady() {
     this._checkAlive();
     if (!this.opened) throw localError("session_not_open", "call open() before sending chunks");
+    if (this.holding) throw localError("reconnecting", "the session is moving to a new connection; try again shortly");
     if (this.busy) throw localError("chunk_in_flight", "a chunk is already in flight; wait for its response.done");
   }
 
@@ -342,6 +399,8 @@ export class RealtimeClient {
     const wait = deferred();
     const turn = {
       eventId,
+      fields: { ...fields, event_id: eventId }, // to send again if the server never accepted it
+      binaryPayload,
       frameId: fields.frame_id ?? null,
       ack: null,
       created: null,
@@ -366,10 +425,13 @@ export class RealtimeClient {
       }, timeoutMs);
     }
     try {
-      this._send({ ...fields, event_id: eventId }, binaryPayload);
+      this._send(turn.fields, binaryPayload);
     } catch (err) {
-      this._finishTurn(turn, null, err);
-      throw err;
+      if (!this.resilient) {
+        this._finishTurn(turn, null, err);
+        throw err;
+      }
+      // The socket is going away: the client reconnects and sends the chunk again.
     }
     this.stats.framesSent += 1;
     return turn.promise;
@@ -431,6 +493,11 @@ export class RealtimeClient {
       return; // not for us
     }
     if (!event || typeof event.type !== "string") return;
+    if (this._handshake) {
+      this._handshake(event); // a reconnection's greeting and answer
+      this._emit(event.type, event);
+      return;
+    }
     const turn = this._turn;
     const matches = (index) => turn && turn.ack && turn.ack.frame_index === index;
     switch (event.type) {
@@ -442,6 +509,7 @@ export class RealtimeClient {
         if (this._openWait) this._openWait.resolve(event);
         break;
       case "input.ack":
+        this._nextIndex = event.frame_index + 1;
         if (turn && !turn.finished && turn.ack === null) turn.ack = event;
         break;
       case "response.created":
@@ -462,7 +530,14 @@ export class RealtimeClient {
       case "response.done":
         if (matches(event.frame_index)) this._finishTurn(turn, event);
         break;
+      case "server.draining":
+        this.draining = event; // resilient: hold new chunks; the session moves after this reply
+        break;
       case "session.closed":
+        if (this.resilient && event.reason === "server_shutdown" && !this._userClosing) {
+          this._moving = true; // a new session follows on a new connection
+          break;
+        }
         this.closedEvent = event;
         this._failPending(this.fatal || localError("session_closed", `the session was closed (${event.reason})`, false), true);
         break;
@@ -503,17 +578,166 @@ export class RealtimeClient {
   }
 
   _onClose(event) {
+    const recoverable = this.resilient && !this._userClosing && this.fatal === null && (this.closedEvent === null || this._moving);
+    if (recoverable && this.created && this.opened) {
+      this._recover(this._moving);
+      return;
+    }
+    this._end(null, event);
+  }
+
+  _end(error, event = null) {
     const wasEnded = this._ended;
     this._ended = true;
-    const why = `the connection closed (code ${event && event.code})`;
+    const why = error ? error.message : `the connection closed (code ${event && event.code})`;
     if (!this.created) {
       const hint = " before session.created; a missing or wrong API key is refused in the handshake";
       this._ready.reject(localError("connection_failed", why + hint, false));
     }
-    const err = this.fatal || (this.closedEvent ? localError("session_closed", `the session was closed (${this.closedEvent.reason})`, false) : localError("connection_lost", why, false));
+    const err =
+      this.fatal ||
+      (this.closedEvent ? localError("session_closed", `the session was closed (${this.closedEvent.reason})`, false) : error || localError("connection_lost", why, false));
     this._failPending(err, true);
     this._closeWait.resolve();
     if (!wasEnded) this._emit("close", { code: event && event.code, reason: event && event.reason });
+  }
+
+  // ------------------------------------------------------------------ resilience
+
+  /** Resume the session on a new socket, or (`fresh`, or the resume refused) open a new one. */
+  async _recover(fresh) {
+    this._recovering = true;
+    let delay = this.retryBackoffMs;
+    for (let attempt = 0; attempt < this.maxRetries; attempt += 1) {
+      if (attempt) {
+        await new Promise((resolve) => setTimeout(resolve, delay));
+        delay = Math.min(delay * 2, 8000);
+      }
+      if (this._userClosing) return;
+      let answer;
+      try {
+        answer = await this._reconnectOnce(fresh);
+      } catch (err) {
+        answer = { failed: err };
+      }
+      if (this._userClosing) return;
+      if (answer.event) {
+        this._adopt(answer.event);
+        return;
+      }
+      if (answer.refused === "session_not_found") {
+        fresh = true; // expired or forgotten (a restarted server): a new session
+        delay = this.retryBackoffMs;
+      } else if (answer.refused === "unauthorized") {
+        break;
+      }
+    }
+    this._recovering = false;
+    this._end(localError("connection_lost", `reconnecting failed after ${this.maxRetries} attempts`, false));
+  }
+
+  /** One attempt: dial, read the greeting, send session.resume or session.open, read the answer. */
+  _reconnectOnce(fresh) {
+    const result = deferred();
+    const ws = this._dial();
+    this._ws = ws;
+    let greeted = false;
+    let adopted = false;
+    const timer = setTimeout(() => result.resolve({ failed: "timeout" }), this.openTimeoutMs);
+    this._handshake = (event) => {
+      if (event.type === "session.created" && !greeted) {
+        greeted = true;
+        this.created = event;
+        const eventId = this._newId();
+        if (fresh) {
+          ws.send(JSON.stringify({ type: "session.open", event_id: eventId, ...this.opened.config }));
+        } else {
+          ws.send(JSON.stringify({ type: "session.resume", event_id: eventId, session_id: this.sessionId, resume_token: this._resumeToken }));
+        }
+      } else if (event.type === "session.resumed" || event.type === "session.opened") {
+        this._handshake = null; // what follows is the session's own traffic
+        adopted = true;
+        result.resolve({ event });
+      } else if (event.type === "error") {
+        result.resolve({ refused: event.error && event.error.code });
+      } else if (event.type === "session.closed") {
+        result.resolve({ refused: `closed:${event.reason}` }); // e.g. the server drains
+      }
+    };
+    const onClose = ws.onclose;
+    ws.onclose = (event) => {
+      if (adopted) {
+        onClose.call(ws, event); // dropped again right after the answer: recover again
+        return;
+      }
+      result.resolve({ refused: "closed" });
+    };
+    return result.promise.then((answer) => {
+      clearTimeout(timer);
+      if (answer.event) {
+        ws.onclose = onClose;
+      } else {
+        this._handshake = null;
+        ws.onclose = () => {};
+        try {
+          ws.close(1000);
+        } catch {
+          // already closed
+        }
+      }
+      return answer;
+    });
+  }
+
+  /** Carry on with the session on the new socket; finish or resend the chunk in flight. */
+  _adopt(answer) {
+    this._recovering = false;
+    this._moving = false;
+    this.draining = null;
+    this.closedEvent = null;
+    const turn = this._turn;
+    const pending = turn && !turn.finished;
+    const expected = turn && turn.ack ? turn.ack.frame_index : this._nextIndex;
+    const ack = () => {
+      if (turn.ack === null) turn.ack = { type: "input.ack", frame_index: expected, frame_id: turn.frameId, bytes: 0 };
+    };
+    const resend = () => {
+      try {
+        this._send(turn.fields, turn.binaryPayload);
+      } catch (err) {
+        this._finishTurn(turn, null, err);
+      }
+    };
+    if (answer.type === "session.resumed") {
+      this.resumes += 1;
+      this._resumeToken = answer.resume_token;
+      this.opened = { ...answer, type: "session.opened" };
+      this._nextIndex = answer.next_frame_index;
+      if (pending) {
+        const missed = answer.missed_response;
+        if (missed && missed.frame_index === expected) {
+          ack();
+          this._finishTurn(turn, missed);
+        } else if (answer.in_flight_frame_index === expected) {
+          ack(); // the rest of the reply arrives on this socket
+        } else if (turn.ack === null) {
+          resend();
+        } else {
+          this._finishTurn(turn, null, localError("connection_lost", "the reply in flight was lost with the connection", false));
+        }
+      }
+      this._emit("resumed", answer);
+    } else {
+      this.generation += 1;
+      this.opened = answer;
+      this._resumeToken = answer.resume_token ?? null;
+      this._nextIndex = 0;
+      if (pending) {
+        if (turn.ack === null) resend();
+        else this._finishTurn(turn, null, localError("connection_lost", "the reply in flight was lost with the session", false));
+      }
+      this._emit("reopened", answer);
+    }
   }
 }
 

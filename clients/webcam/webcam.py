@@ -18,6 +18,10 @@ source's rate.  Drops are counted and reported at exit, with latency percentiles
 
 ``--source``: ``/dev/videoN`` (V4L2), a file (played at its own rate, looped with ``--loop``),
 an ``rtsp://`` / ``http(s)://`` / other ffmpeg URL, or ``testsrc`` / ``lavfi:<graph>``.
+
+Outages: the session is opened resumable (``--resume-grace``), so a network drop resumes the
+same session (the SDK reconnects, at most ``--retries`` times); a server that drains or
+restarts gets a new session. A reply lost with a connection counts as a dropped frame.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from typing import Any
 try:
     from vllm_realtime_client import (
         ClientError,
+        ConnectionLost,
         RealtimeError,
         RealtimeSession,
+        ServerEvent,
         Unauthorized,
         connect,
     )
@@ -48,8 +54,10 @@ except ImportError:  # run from a checkout: use the SDK next door
     sys.path.append(str(Path(__file__).resolve().parents[1] / "python"))
     from vllm_realtime_client import (
         ClientError,
+        ConnectionLost,
         RealtimeError,
         RealtimeSession,
+        ServerEvent,
         Unauthorized,
         connect,
     )
@@ -214,6 +222,8 @@ class Stats:
     sent: int = 0
     replies: int = 0
     sessions: int = 0
+    resumes: int = 0
+    lost: int = 0  # replies lost with a connection (the server restarted mid-reply)
     statuses: dict[str, int] = field(default_factory=dict)
     latencies_ms: list[float] = field(default_factory=list)
 
@@ -231,6 +241,8 @@ class Stats:
             "replies": self.replies,
             "dropped": slot.dropped,
             "sessions": self.sessions,
+            "resumes": self.resumes,
+            "lost": self.lost,
             "statuses": self.statuses,
             "latency_ms": {
                 "mean": round(statistics.fmean(lat), 1) if lat else None,
@@ -324,6 +336,14 @@ async def send_frames(
             async for delta in stream:
                 out.write(delta.delta)
                 out.flush()
+        except ConnectionLost:
+            if session.is_closed:
+                raise
+            # Lost with a connection while the session went on (resumed, or a new one after
+            # a restart): count it and send the next frame.
+            out.write(" (lost with the connection)\n")
+            stats.lost += 1
+            continue
         finally:
             # Sent = accepted by the server (acked); a frame it never took counts as dropped.
             if stream.ack is not None:
@@ -387,18 +407,38 @@ async def run(
     rc = 0
     failures = 0
 
+    def notice(event: ServerEvent) -> None:
+        # Sessions the SDK moved to by itself count too (after a drain or a restart).
+        if event.type == "session.opened":
+            stats.sessions += 1
+            if stats.sessions > 1:
+                err.write(f"webcam: new session {event.session_id}\n")
+        elif event.type == "session.resumed":
+            stats.resumes += 1
+            err.write(
+                f"webcam: connection dropped; session resumed at frame {event.next_frame_index}\n"
+            )
+        elif event.type == "server.draining":
+            err.write("webcam: the server is shutting down; moving to a new session\n")
+
     async def stream_sessions() -> None:
         nonlocal rc, failures
         while True:
             before = stats.replies
             try:
-                async with connect(args.url, api_key=args.api_key, timeout=args.timeout) as session:
+                async with connect(
+                    args.url,
+                    api_key=args.api_key,
+                    timeout=args.timeout,
+                    on_event=notice,
+                    max_retries=args.retries,
+                ) as session:
                     opened = await session.open(
                         instructions=args.instructions or None,
                         retention=retention,
                         sampling={"max_tokens": args.max_tokens},
+                        resumable={"grace_s": args.resume_grace} if args.resume_grace else None,
                     )
-                    stats.sessions += 1
                     err.write(
                         f"webcam: session {opened.session_id} on {opened.limits.model} "
                         f"({args.size[0]}x{args.size[1]} at {args.fps:g} fps)\n"
@@ -412,14 +452,15 @@ async def run(
                 return
             except (RealtimeError, ClientError) as exc:
                 out.write("\n")
-                # Give up after 3 sessions in a row that ended without a single reply.
+                # Give up after --retries sessions in a row that ended without a single reply
+                # (a server that stays down), waiting longer each time.
                 failures = 1 if stats.replies > before else failures + 1
-                if not args.reopen or failures > 3:
+                if not args.reopen or failures > max(args.retries, 1):
                     err.write(f"webcam: {exc}\n")
                     rc = 1
                     return
                 err.write(f"webcam: session ended ({exc}); opening a new one\n")
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(min(0.5 * 2 ** (failures - 1), 8.0))
 
     sender = asyncio.create_task(stream_sessions())
     stopper = asyncio.create_task(stop.wait())
@@ -494,6 +535,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="exit when the server ends the session (default: open a new one)",
     )
+    p.add_argument(
+        "--resume-grace",
+        type=float,
+        default=30.0,
+        help="seconds the server keeps the session after a drop, for a resume (0: off)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=8,
+        help="connection attempts per outage before giving up (backoff 0.5 s doubling to 8 s)",
+    )
     p.add_argument("--ffmpeg", default="ffmpeg", help="the ffmpeg executable")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     args = p.parse_args(argv)
@@ -501,6 +554,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--fps must be in (0, 120]")
     if args.window < 0 or args.max_tokens < 1 or args.max_frames < 0:
         p.error("--window, --max-tokens and --max-frames must not be negative")
+    if args.resume_grace < 0 or args.retries < 0:
+        p.error("--resume-grace and --retries must not be negative")
     return args
 
 

@@ -109,8 +109,20 @@ async function openSession() {
   const client = await RealtimeClient.connect(s.url, { apiKey: await credential(s), timeoutMs: 120000 });
   state.client = client;
   client.on("close", () => onSessionEnded(client));
+  // Resumable: a Wi-Fi hiccup resumes the same session; a server restart moves to a new one.
+  client.on("resumed", (e) => log(`connection dropped and resumed: next frame ${e.next_frame_index}`));
+  client.on("reopened", (e) => {
+    state.sessions += 1;
+    log(`the server restarted: new session ${e.session_id}`);
+  });
+  client.on("server.draining", (e) => log(`the server is shutting down (${e.seconds_left.toFixed(0)} s left)`));
   const retention = s.window > 0 ? { window_chunks: s.window } : { enabled: false };
-  const opened = await client.open({ instructions: s.instructions, retention, sampling: { max_tokens: s.maxTokens } });
+  const opened = await client.open({
+    instructions: s.instructions,
+    retention,
+    sampling: { max_tokens: s.maxTokens },
+    resumable: { grace_s: 30 },
+  });
   state.sessions += 1;
   $("stat-model").textContent = opened.config.model;
   $("stat-model").title = opened.config.model;

@@ -400,3 +400,169 @@ test("sniffMedia knows the server's formats", () => {
   assert.equal(sniffMedia(new Uint8Array([0x1a, 0x45, 0xdf, 0xa3])), "webm");
   assert.equal(sniffMedia(new Uint8Array([1, 2, 3])), null);
 });
+
+// ------------------------------------------------------------------ resilient sessions
+
+const DONE = (index, text = "ok") => ({
+  type: "response.done",
+  event_id: "e",
+  frame_index: index,
+  frame_id: null,
+  status: "completed",
+  status_reason: null,
+  text,
+  usage: { prompt_tokens: 1, completion_tokens: 1 },
+  timing: { queue_ms: 1, ttft_ms: 1, total_ms: 1 },
+  retention: { frames_retained: 1, frames_evicted: 0, tokens_retained: 1, kv_blocks_held: 1, consolidations: 0 },
+});
+
+async function resilient(options = {}) {
+  const { client, ws } = await connected({ retryBackoffMs: 1, ...options });
+  const open = client.open({ resumable: { grace_s: 30 }, sampling: { max_tokens: 8 } });
+  ws.emit({
+    type: "session.opened",
+    event_id: "evt_2",
+    session_id: "sess_r",
+    config: { resumable: { grace_s: 30 }, sampling: { max_tokens: 8 } },
+    limits: LIMITS,
+    resume_token: "tok-1",
+  });
+  await open;
+  return { client, ws };
+}
+
+/** Wait until the client dialled a new socket, accept it and greet. */
+async function nextSocket(previous) {
+  for (let i = 0; i < 200 && FakeWebSocket.last === previous; i += 1) await new Promise((r) => setTimeout(r, 1));
+  const ws = FakeWebSocket.last;
+  assert.notEqual(ws, previous, "the client did not reconnect");
+  ws.accept();
+  ws.emit({ type: "session.created", event_id: "evt_9", session_id: "sess_tmp", limits: LIMITS });
+  await tick();
+  return ws;
+}
+
+test("resilient: a drop mid-reply is resumed and the missed response.done resolves the call", async () => {
+  const { client, ws } = await resilient();
+  assert.equal(client.resilient, true);
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: null, bytes: 10 });
+  ws.serverClose(1006);
+  assert.equal(client.holding, true);
+  assert.equal(client.closed, false);
+  const ws2 = await nextSocket(ws);
+  assert.deepEqual(ws2.lastJson(), { type: "session.resume", event_id: ws2.lastJson().event_id, session_id: "sess_r", resume_token: "tok-1" });
+  const resumedEvents = [];
+  client.on("resumed", (e) => resumedEvents.push(e));
+  ws2.emit({
+    type: "session.resumed",
+    event_id: "e",
+    session_id: "sess_r",
+    config: { resumable: { grace_s: 30 } },
+    limits: LIMITS,
+    next_frame_index: 1,
+    in_flight_frame_index: null,
+    missed_response: DONE(0, "missed"),
+    resume_token: "tok-2",
+  });
+  const done = await pending;
+  assert.equal(done.text, "missed");
+  assert.equal(client.resumes, 1);
+  assert.equal(client.generation, 1);
+  assert.equal(resumedEvents.length, 1);
+  assert.equal(client.holding, false);
+  // The session goes on on the new socket, and the next resume uses the rotated token.
+  const next = client.appendFrame(JPEG);
+  await tick();
+  ws2.emit({ type: "input.ack", event_id: "e", frame_index: 1, frame_id: null, bytes: 10 });
+  ws2.emit(DONE(1));
+  assert.equal((await next).frame_index, 1);
+  ws2.serverClose(1006);
+  const ws3 = await nextSocket(ws2);
+  assert.equal(ws3.lastJson().resume_token, "tok-2");
+});
+
+test("resilient: a chunk the server never accepted is sent again after the resume", async () => {
+  const { client, ws } = await resilient();
+  const pending = client.appendFrame(JPEG, { binary: false, frameId: "f0" });
+  await tick();
+  ws.serverClose(1006); // before its input.ack
+  const ws2 = await nextSocket(ws);
+  ws2.emit({
+    type: "session.resumed",
+    event_id: "e",
+    session_id: "sess_r",
+    config: {},
+    limits: LIMITS,
+    next_frame_index: 0,
+    in_flight_frame_index: null,
+    missed_response: null,
+    resume_token: "tok-2",
+  });
+  await tick();
+  const resent = ws2.lastJson();
+  assert.equal(resent.type, "frame.append");
+  assert.equal(resent.frame_id, "f0");
+  ws2.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: "f0", bytes: 10 });
+  ws2.emit(DONE(0));
+  assert.equal((await pending).frame_index, 0);
+});
+
+test("resilient: server.draining holds new frames; after the reply a new session opens", async () => {
+  const { client, ws } = await resilient();
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: null, bytes: 10 });
+  ws.emit({ type: "server.draining", event_id: "e", seconds_left: 20 });
+  assert.equal(await client.offerFrame(JPEG), null); // dropped while the server drains
+  ws.emit(DONE(0));
+  assert.equal((await pending).frame_index, 0); // the current reply finishes
+  ws.emit({ type: "session.closed", event_id: "e", session_id: "sess_r", reason: "server_shutdown", frames_total: 1 });
+  ws.serverClose(1000);
+  assert.equal(client.closed, false);
+  const ws2 = await nextSocket(ws);
+  const reopen = ws2.lastJson();
+  assert.equal(reopen.type, "session.open");
+  assert.deepEqual(reopen.resumable, { grace_s: 30 });
+  const reopened = [];
+  client.on("reopened", (e) => reopened.push(e.session_id));
+  ws2.emit({ type: "session.opened", event_id: "e", session_id: "sess_new", config: reopen, limits: LIMITS, resume_token: "tok-new" });
+  await tick();
+  assert.deepEqual(reopened, ["sess_new"]);
+  assert.equal(client.sessionId, "sess_new");
+  assert.equal(client.generation, 2);
+  assert.equal(client.holding, false);
+});
+
+test("resilient: a refused resume (expired) opens a new session instead", async () => {
+  const { client, ws } = await resilient();
+  ws.serverClose(1006);
+  const ws2 = await nextSocket(ws);
+  ws2.emit({ type: "error", event_id: "e", error: { type: "invalid_request_error", code: "session_not_found", message: "no", event_id: null, session_survives: false } });
+  ws2.serverClose(1000);
+  const ws3 = await nextSocket(ws2);
+  assert.equal(ws3.lastJson().type, "session.open");
+  ws3.emit({ type: "session.opened", event_id: "e", session_id: "sess_3", config: {}, limits: LIMITS, resume_token: "t3" });
+  await tick();
+  assert.equal(client.sessionId, "sess_3");
+  assert.equal(client.generation, 2);
+});
+
+test("resilient: retries are bounded; then the reply in flight fails with connection_lost", async () => {
+  const { client, ws } = await resilient({ maxRetries: 3 });
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  let dialled = 0;
+  let previous = ws;
+  ws.serverClose(1006);
+  for (let i = 0; i < 3; i += 1) {
+    for (let j = 0; j < 200 && FakeWebSocket.last === previous; j += 1) await new Promise((r) => setTimeout(r, 1));
+    previous = FakeWebSocket.last;
+    dialled += 1;
+    previous.serverClose(1006); // the server is not there
+  }
+  await assert.rejects(pending, (err) => err.code === "connection_lost");
+  assert.equal(dialled, 3);
+  assert.equal(client.closed, true);
+});

@@ -26,6 +26,13 @@ export async function demo(url: string, jpeg: Blob): Promise<number | null> {
   } catch (err) {
     if (err instanceof RealtimeError && err.code === "chunk_in_flight") console.log(err.sessionSurvives);
   }
+  const resilient = await RealtimeClient.connect(url, { maxRetries: 3, retryBackoffMs: 100 });
+  const again = await resilient.open({ resumable: { grace_s: 30 } });
+  const token: string | null = again.resume_token;
+  resilient.on("resumed", (event) => console.log(event.next_frame_index, event.missed_response?.text));
+  resilient.on("reopened", (event) => console.log(event.session_id, resilient.generation));
+  resilient.on("server.draining", (event) => console.log(event.seconds_left, resilient.holding));
+  console.log(token, resilient.resilient, resilient.resumes, resilient.draining?.seconds_left);
   const closed = await client.close({ timeoutMs: 100 });
   console.log(model, closed?.reason, offered?.status, sniffMedia(new Uint8Array(4)), RealtimeClientDefault);
   return done.timing.total_ms;
