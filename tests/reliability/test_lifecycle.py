@@ -95,6 +95,7 @@ class ServeProcess:
         self.log = (ROOT / "artifacts").resolve()
         self.log.mkdir(exist_ok=True)
         self.stderr = open(self.log / f"serve-{self.port}.log", "w+")  # noqa: SIM115
+        self.known: dict[int, str] = {}
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -130,6 +131,8 @@ class ServeProcess:
                 assert self.proc.poll() is None, self.output()
                 try:
                     if (await client.get(f"{self.http}/health")).status_code == 200:
+                        # Remembered: once the server is gone they are no longer below it.
+                        self.known = descendants(self.proc.pid)
                         return
                 except httpx.TransportError:
                     pass
@@ -138,7 +141,7 @@ class ServeProcess:
 
     def stop(self) -> None:
         """Whatever happened, leave nothing running: the server, then its engine processes."""
-        procs = descendants(self.proc.pid)
+        procs = {**self.known, **descendants(self.proc.pid)}
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
