@@ -20,6 +20,7 @@ follows the ``error`` with ``session.closed`` and closes the WebSocket.
     │   ├── FrameTooLarge            frame_too_large         survives
     │   ├── UndecodableFrame         undecodable_frame       survives
     │   ├── BinaryUnexpected         binary_unexpected       survives
+    │   ├── ChunkTooLarge            chunk_too_large         survives
     │   ├── ContextExceeded          context_exceeded        fatal
     │   ├── SessionClosed            session_closed          fatal
     │   └── SessionNotFound          session_not_found       fatal
@@ -54,6 +55,7 @@ __all__ = [
     "CapacityError",
     "CapacityExceeded",
     "ChunkInFlight",
+    "ChunkTooLarge",
     "ContextExceeded",
     "EngineError",
     "FrameTooLarge",
@@ -209,6 +211,13 @@ class BinaryUnexpected(InvalidRequestError):
     default_message = "Binary message without a pending frame.append with binary: true."
 
 
+class ChunkTooLarge(InvalidRequestError):
+    """A chunk is longer than limits.max_chunk_tokens; it was not run, the session goes on."""
+
+    code = "chunk_too_large"
+    default_message = "The chunk has more tokens than limits.max_chunk_tokens."
+
+
 class ContextExceeded(InvalidRequestError):
     """The session's context is full (retention disabled, or a chunk bigger than the window).
 
@@ -342,6 +351,7 @@ ERROR_CLASSES: tuple[type[RealtimeError], ...] = (
     FrameTooLarge,
     UndecodableFrame,
     BinaryUnexpected,
+    ChunkTooLarge,
     ContextExceeded,
     SessionClosed,
     SessionNotFound,

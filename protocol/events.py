@@ -369,6 +369,15 @@ class Limits(_Outbound):
     max_resume_grace_s: float = Field(
         default=0.0, ge=0, description="Cap on resumable.grace_s; 0: sessions are not resumable."
     )
+    max_chunk_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most tokens of one chunk's text (a text turn, or a frame's prompt, template "
+        "included); over it: chunk_too_large. Frames add their image tokens; null: no cap.",
+    )
+    max_instructions_tokens: int | None = Field(
+        default=None, ge=1, description="Most tokens of session.open.instructions; null: no cap."
+    )
     server_version: str = Field(description="Version of the vllm-realtime server.")
     model: str = Field(description="Name of the model this server serves.")
     protocol_version: str = Field(
@@ -432,6 +441,17 @@ class SessionCreatedEvent(_ServerEventBase):
     limits: Limits = Field(description="What this server allows.")
 
 
+class Reservation(_Outbound):
+    """The KV capacity admission set aside for a session: its peak footprint."""
+
+    kv_blocks: int = Field(ge=0, description="KV-cache blocks reserved for this session.")
+    tokens: int = Field(ge=0, description="Peak tokens the session can hold.")
+    block_size: int = Field(ge=1, description="Tokens per KV-cache block.")
+    bounded: bool = Field(
+        description="True: sized by the retention budget; false: the whole context."
+    )
+
+
 class SessionOpenedEvent(_ServerEventBase):
     """``session.opened``: answer to session.open; frames may be sent from now on."""
 
@@ -442,6 +462,9 @@ class SessionOpenedEvent(_ServerEventBase):
     resume_token: str | None = Field(
         default=None,
         description="Secret for session.resume (resumable sessions only); null otherwise.",
+    )
+    reservation: Reservation | None = Field(
+        default=None, description="KV capacity reserved for this session by admission."
     )
 
 

@@ -103,6 +103,8 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         max_frames_per_s=args.max_frames_per_s,
         frame_burst=args.frame_burst,
         retention_max_position=args.retention_max_position,
+        max_chunk_tokens=args.max_chunk_tokens,
+        max_instructions_tokens=args.max_instructions_tokens,
         drain_timeout_s=args.drain_timeout,
         max_resume_grace_s=args.max_resume_grace,
     )
@@ -148,6 +150,18 @@ def main(argv: list[str] | None = None) -> int:
         type=_positive_int,
         default=None,
         help="consolidate bounded sessions before this RoPE position (default: trained range)",
+    )
+    serve.add_argument(
+        "--max-chunk-tokens",
+        type=_positive_int,
+        default=256,
+        help="most tokens of one chunk's text (admission reserves bounded sessions from it)",
+    )
+    serve.add_argument(
+        "--max-instructions-tokens",
+        type=_positive_int,
+        default=512,
+        help="most tokens of session.open.instructions",
     )
     serve.add_argument(
         "--drain-timeout",

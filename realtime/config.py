@@ -28,6 +28,11 @@ class ServerConfig:
     # RoPE positions reach this; None: the model's trained range. Lower it for a model that
     # degrades well inside its trained range.
     retention_max_position: int | None = None
+    # Most tokens of one chunk's text (a text turn, or a frame's prompt; the chat template
+    # included) and of the instructions: admission reserves a bounded session's footprint from
+    # them (realtime/admission.py), so they are enforced (chunk_too_large, invalid_request).
+    max_chunk_tokens: int = 256
+    max_instructions_tokens: int = 512
     # On SIGTERM/SIGINT: seconds the replies in flight get to finish before they are cancelled
     # (realtime/drain.py). Keep it under the supervisor's kill timeout (Kubernetes: 30 s).
     drain_timeout_s: float = 20.0
@@ -49,6 +54,8 @@ class ServerConfig:
             raise ValueError(f"API keys must not start with {SECRET_PREFIX!r} (client secrets do)")
         if not 0 < self.client_secret_ttl_s <= self.max_client_secret_ttl_s:
             raise ValueError("need 0 < client_secret_ttl_s <= max_client_secret_ttl_s")
+        if self.max_chunk_tokens < 1 or self.max_instructions_tokens < 1:
+            raise ValueError("max_chunk_tokens and max_instructions_tokens must be >= 1")
         if self.max_resume_grace_s < 0:
             raise ValueError(f"max_resume_grace_s must be >= 0, got {self.max_resume_grace_s}")
         if self.drain_timeout_s < 0:

@@ -2,8 +2,11 @@
 
 Admission control: a session holds KV blocks even while it waits for its next chunk, so sessions
 that together need more blocks than the engine has can deadlock it (vllm#49439). Every session
-reserves its worst case — ceil(max context / block size) blocks — and is refused at open with
-`capacity_exceeded` when the reservations would pass the engine's pool.
+reserves its peak footprint (realtime/admission.py: a bounded session its sinks, window, chunk
+and reply; an unbounded one the whole context) and is refused at open with `capacity_exceeded`
+when the reservations would pass the engine's pool. Chunks are held to the sizes the footprint
+assumed: text is tokenized and capped (`limits.max_chunk_tokens`), frames are capped by the
+model's processor.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -20,12 +22,15 @@ from typing import Any
 
 from protocol import (
     CapacityExceeded,
+    ChunkTooLarge,
     ContextExceeded,
     EngineError,
     Frame,
     InvalidEvent,
+    InvalidRequestError,
     Limits,
     RealtimeError,
+    Reservation,
     ResponseDoneEvent,
     ResponseTextDeltaEvent,
     RetentionState,
@@ -35,11 +40,23 @@ from protocol import (
     Usage,
 )
 from realtime import __version__
+from realtime.admission import (
+    ChunkBounds,
+    Footprint,
+    bounded_footprint,
+    budget_problem,
+    max_clip_tokens,
+    max_image_tokens,
+    unbounded_footprint,
+)
 from realtime.config import ServerConfig
 from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession, render_chunk
 from realtime.metrics import Metrics
 
 log = logging.getLogger("vllm_realtime")
+
+# Retention fields a client may set; a budget built from them must fit (see SessionHub.admit).
+_BUDGET_FIELDS = frozenset({"sink_tokens", "sink_chunks", "window_chunks", "window_tokens"})
 
 
 @dataclass
@@ -48,13 +65,18 @@ class SessionRecord:
 
     protocol: SessionProtocol
     engine_session: EngineSession
-    reserved_blocks: int
+    footprint: Footprint
     owner: str | None  # API key (or None) of whoever opened it; only they may act on it
     last_activity: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Tokens the engine request holds after the last turn, as the engine reports them. For a
     # bounded session this is what the next fold is checked against, not the tokens ever sent.
     tokens_held: int = 0
+    bounded: bool = False
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self.footprint.blocks
 
 
 class SessionHub:
@@ -68,10 +90,15 @@ class SessionHub:
         self.engine_failure: str | None = None
         self.max_model_len = int(engine.model_config.max_model_len)
         self.multimodal = bool(engine.model_config.is_multimodal_model)
-        # In-place eviction works for 1D-RoPE and mRoPE models (retention/vllm_adapter/mrope.py).
-        self.retention_supported = True
-        self.block_size = 16
+        # Set by start() from the engine's KV pool.
+        self.block_size = 0
         self.usable_blocks = 0
+        self.max_position = _model_max_position(engine.model_config)
+        if config.retention_max_position is not None:
+            self.max_position = min(self.max_position, config.retention_max_position)
+        # Tokens a frame can add beyond its text (image or clip at the processor's max pixels).
+        self.frame_tokens = _max_frame_tokens(engine.model_config) if self.multimodal else 0
+        self.tokenizer: Any = None
         # A paused streaming session still holds one of the engine's `max_num_seqs` request
         # slots (vLLM counts WAITING_FOR_STREAMING_REQ against it). Admitting more sessions than
         # slots starves the extra ones: their first chunk waits until another session closes
@@ -83,12 +110,28 @@ class SessionHub:
         from retention.vllm_adapter.introspect import kv_stats
 
         stats = await kv_stats(self.engine)
-        self.block_size = int(stats["block_size"] or 16)
-        self.usable_blocks = int(stats["num_usable_blocks"])
         if stats["num_kv_cache_groups"] != 1:
             raise RuntimeError(
                 "hybrid KV-cache configs (more than one KV-cache group) are not supported"
             )
+        self.block_size = int(stats["block_size"])
+        self.usable_blocks = int(stats["num_usable_blocks"])
+        self.tokenizer = self.engine.get_tokenizer()
+        self.metrics.kv_blocks_total.set(self.usable_blocks)
+        self.metrics.kv_block_size.set(self.block_size)
+        default = SessionConfig(modality="video" if self.multimodal else "text")
+        fp = self.admit(default, instructions_tokens=0)[0]
+        log.info(
+            "KV pool: %d blocks x %d tokens = %d tokens; a default %s session reserves %d blocks "
+            "(%s); about %d such sessions fit",
+            self.usable_blocks,
+            self.block_size,
+            self.usable_blocks * self.block_size,
+            default.modality,
+            fp.blocks,
+            fp.describe(),
+            self.usable_blocks // max(fp.blocks, 1),
+        )
 
     def limits(self) -> Limits:
         return Limits(
@@ -97,6 +140,8 @@ class SessionHub:
             idle_timeout_s=self.config.idle_timeout_s,
             max_tokens_cap=min(1024, self.max_model_len // 2),
             max_resume_grace_s=self.config.max_resume_grace_s,
+            max_chunk_tokens=self.config.max_chunk_tokens,
+            max_instructions_tokens=self.config.max_instructions_tokens,
             server_version=__version__,
             model=self.model_name,
         )
@@ -110,7 +155,7 @@ class SessionHub:
 
     def retention_args(self, config: SessionConfig | None) -> dict[str, Any] | None:
         """The engine budget (`extra_args["streaming_retention"]`) of a session, if bounded."""
-        if config is None or not self.retention_supported or not config.retention.enabled:
+        if config is None or not config.retention.enabled:
             return None
         r = config.retention
         args: dict[str, Any] = {"sink_tokens": r.sink_tokens, "sink_chunks": r.sink_chunks}
@@ -122,17 +167,63 @@ class SessionHub:
             args["max_position"] = self.config.retention_max_position
         return args
 
-    def reservation_blocks(self, config: SessionConfig | None) -> int:
-        # A session may grow to max_model_len (unbounded, or a window of chunks whose size the
-        # client picks); a token window bounds it tighter. Reserve the worst case.
-        tokens = self.max_model_len
-        if config is not None and self.retention_args(config) is not None:
-            r = config.retention
-            if r.window_tokens is not None:
-                chunk_cap = self.config.max_frame_bytes  # text: ≤ 1 token per byte
-                bound = r.sink_tokens + r.window_tokens + min(chunk_cap, self.max_model_len)
-                tokens = min(tokens, bound + config.sampling.max_tokens)
-        return math.ceil(tokens / self.block_size) + 1
+    def chunk_tokens_cap(self, config: SessionConfig) -> int:
+        """Most tokens one chunk of this session can be (text cap, plus a frame's tokens)."""
+        frame = self.frame_tokens if config.modality == "video" else 0
+        return self.config.max_chunk_tokens + frame
+
+    def footprint(self, config: SessionConfig, *, instructions_tokens: int) -> Footprint:
+        """The session's peak in tokens and blocks: what admission reserves for it."""
+        budget = self.retention_args(config)
+        if budget is None:
+            return unbounded_footprint(self.max_model_len, self.block_size)
+        bounds = ChunkBounds(
+            chunk_tokens=self.chunk_tokens_cap(config),
+            reply_tokens=config.sampling.max_tokens,
+            instructions_tokens=instructions_tokens,
+        )
+        return bounded_footprint(budget, bounds, self.block_size)
+
+    def admit(self, config: SessionConfig, *, instructions_tokens: int) -> tuple[Footprint, bool]:
+        """What admission reserves for a session, and whether that is its bounded footprint.
+
+        A budget the client chose that cannot fit (sinks + window + chunk + reply past
+        max_position or max_model_len) is refused with invalid_request, naming the numbers.
+        The server's own default budget whose worst case does not fit this engine (a small
+        context) is reserved as a whole context instead, as an unbounded session is.
+        """
+        fp = self.footprint(config, instructions_tokens=instructions_tokens)
+        if self.retention_args(config) is None:
+            return fp, False
+        problem = budget_problem(fp, self.max_position, self.max_model_len)
+        if problem is None:
+            return fp, True
+        if config.retention.model_fields_set & _BUDGET_FIELDS:
+            raise InvalidRequestError(f"session.open.retention: {problem}")
+        return unbounded_footprint(self.max_model_len, self.block_size), False
+
+    def reservation_blocks(self, config: SessionConfig | None = None) -> int:
+        """Blocks admission reserves for a session opened with `config` (None: the defaults)
+        and no instructions."""
+        if config is None:
+            config = SessionConfig(modality="video" if self.multimodal else "text")
+        return self.admit(config, instructions_tokens=0)[0].blocks
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _instructions_tokens(self, config: SessionConfig) -> int:
+        if not config.instructions:
+            return 0
+        # The system turn as render_chunk writes it.
+        n = self.count_tokens(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
+        cap = self.config.max_instructions_tokens
+        if n > cap:
+            raise InvalidRequestError(
+                f"session.open.instructions is {n} tokens; at most {cap} "
+                "(limits.max_instructions_tokens)"
+            )
+        return n
 
     def reserved_total(self) -> int:
         return sum(r.reserved_blocks for r in self.sessions.values())
@@ -164,12 +255,14 @@ class SessionHub:
                 raise CapacityExceeded(
                     f"this API key holds {mine} sessions; at most {per_key} per key"
                 )
-        need = self.reservation_blocks(config)
+        fp, bounded = self.admit(config, instructions_tokens=self._instructions_tokens(config))
         free = self.usable_blocks - self.reserved_total()
-        if need > free:
+        if fp.blocks > free:
             raise CapacityExceeded(
-                f"the engine's KV cache cannot hold another session: it needs {need} blocks, "
-                f"{max(free, 0)} of {self.usable_blocks} are not reserved by open sessions"
+                f"the engine's KV cache cannot hold another session: this one needs "
+                f"{fp.blocks} blocks of {self.block_size} tokens ({fp.describe()}), but only "
+                f"{max(free, 0)} of {self.usable_blocks} are not reserved by the "
+                f"{len(self.sessions)} open sessions; a smaller window or max_tokens needs less"
             )
         s = config.sampling
         params = SamplingParams(
@@ -184,31 +277,60 @@ class SessionHub:
         if retention is not None:
             params.extra_args = {"streaming_retention": retention}
         session = EngineSession(self.engine, protocol.session_id, params)
-        record = SessionRecord(protocol, session, need, owner)
+        record = SessionRecord(protocol, session, fp, owner, bounded=bounded)
         self.sessions[protocol.session_id] = record
         self.metrics.sessions_open.set(len(self.sessions))
+        self.metrics.kv_blocks_reserved.set(self.reserved_total())
         log.info("session opened id=%s modality=%s", protocol.session_id[:12], config.modality)
         return record
+
+    def reservation(self, record: SessionRecord) -> Reservation:
+        fp = record.footprint
+        return Reservation(
+            kv_blocks=fp.blocks,
+            tokens=fp.tokens,
+            block_size=self.block_size,
+            bounded=record.bounded,
+        )
 
     async def close_session(self, record: SessionRecord, *, abort: bool = True) -> None:
         if self.sessions.pop(record.protocol.session_id, None) is None:
             return
         self.metrics.sessions_open.set(len(self.sessions))
+        self.metrics.kv_blocks_reserved.set(self.reserved_total())
         if abort:
             await record.engine_session.abort()
         log.info("session closed id=%s", record.protocol.session_id[:12])
 
     # -- one turn
 
-    def _estimate_chunk_tokens(self, frame: Frame) -> int:
-        # A conservative estimate for the context guard; images/clips of the default model are
-        # small. Real guard against overflow sits in the engine layer as well.
-        if frame.kind == "text":
-            return len((frame.text or "").encode()) // 2 + 16 + len((frame.prompt or "").encode())
-        # Clips were estimated at 1024 tokens, so on a 1024-token model every clip was refused
-        # with context_exceeded (a 3-frame clip is ~25 tokens on the tiny VLM). The exact check
-        # is vLLM's own prompt-length refusal, now reported as context_exceeded too.
-        return 256
+    def check_chunk(self, record: SessionRecord, frame: Frame, prompt: dict[str, Any]) -> None:
+        """Refuse a chunk larger than admission assumed, or one the context cannot take.
+
+        The prompt text (template, turn text, frame prompt) is tokenized exactly; a frame's
+        image or clip adds at most `frame_tokens` (the processor's max pixels)."""
+        config = record.protocol.config
+        assert config is not None
+        text_tokens = self.count_tokens(prompt["prompt"])
+        if record.engine_session.chunks == 0:
+            text_tokens -= self._instructions_tokens(config)  # counted at open, pinned
+        cap = self.config.max_chunk_tokens
+        if text_tokens > cap:
+            raise ChunkTooLarge(
+                f"this chunk's text is {text_tokens} tokens; at most {cap} "
+                "(limits.max_chunk_tokens). It was not run; send it in smaller pieces"
+            )
+        if self.retention_args(config) is not None:
+            # Bounded: the engine checks what the session holds after this fold's eviction
+            # (a budget chosen by the client was also checked to fit at open).
+            return
+        chunk = text_tokens + (self.frame_tokens if frame.kind != "text" else 0)
+        need = record.engine_session.context_tokens + chunk + config.sampling.max_tokens
+        if need > self.max_model_len:
+            raise ContextExceeded(
+                f"this chunk would take the session to about {need} tokens; the model's "
+                f"context is {self.max_model_len}"
+            )
 
     async def run_turn(
         self, record: SessionRecord, frame: Frame, *, cancelled: asyncio.Event | None = None
@@ -227,16 +349,10 @@ class SessionHub:
         timing = Timing()
         raise_after: RealtimeError | None = None
         try:
-            held = es.context_tokens if self.retention_args(config) is None else record.tokens_held
-            need = held + self._estimate_chunk_tokens(frame) + config.sampling.max_tokens
-            if need > self.max_model_len:
-                raise ContextExceeded(
-                    f"this chunk would take the session to about {need} tokens; the model's "
-                    f"context is {self.max_model_len}"
-                )
             prompt = await asyncio.to_thread(
                 render_chunk, frame, config, first=es.chunks == 0, multimodal=self.multimodal
             )
+            self.check_chunk(record, frame, prompt)
             queue_ms = (time.perf_counter() - started) * 1e3
             async for item in es.run_chunk(prompt):
                 if isinstance(item, ChunkDelta):
@@ -330,3 +446,29 @@ class SessionHub:
             raise InvalidEvent(
                 f"session.open.modality: {self.model_name!r} takes text only; use 'text'"
             )
+
+
+def _model_max_position(model_config: Any) -> int:
+    """The model's trained position range (RoPE), else max_model_len."""
+    trained = getattr(model_config.hf_text_config, "max_position_embeddings", None)
+    return int(trained) if trained else int(model_config.max_model_len)
+
+
+def _max_frame_tokens(model_config: Any) -> int:
+    """Most tokens an image or clip becomes, from the model's processor config (Qwen-VL style:
+    max pixels, patch and merge size); a large default when the config says nothing."""
+    import json
+    from pathlib import Path
+
+    from realtime.media import MAX_CLIP_FRAMES
+
+    config: dict[str, Any] = {}
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = Path(str(model_config.model)) / name
+        if path.is_file():
+            config = json.loads(path.read_text())
+            break
+    image = max_image_tokens(config)
+    clip = max_clip_tokens(config, MAX_CLIP_FRAMES)
+    found = [n for n in (image, clip) if n is not None]
+    return max(found) if found else 1024

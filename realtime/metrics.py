@@ -23,6 +23,21 @@ class Metrics:
         self.kv_blocks_held = Gauge(
             "vllm_realtime_kv_blocks_held", "KV blocks held by sessions.", registry=self.registry
         )
+        self.kv_blocks_total = Gauge(
+            "vllm_realtime_kv_blocks_total",
+            "KV blocks in the engine's pool (usable).",
+            registry=self.registry,
+        )
+        self.kv_blocks_reserved = Gauge(
+            "vllm_realtime_kv_blocks_reserved",
+            "KV blocks reserved by admission for the open sessions (their peak footprints).",
+            registry=self.registry,
+        )
+        self.kv_block_size = Gauge(
+            "vllm_realtime_kv_block_size_tokens",
+            "Tokens per KV block.",
+            registry=self.registry,
+        )
         self.engine_errors = Counter(
             "vllm_realtime_engine_errors",
             "Engine failures seen by sessions.",

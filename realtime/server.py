@@ -399,6 +399,10 @@ class Connection:
                     await self.hub.close_session(record)
                     return
                 self.record = record
+                action = OpenSession(
+                    action.config,
+                    action.event.model_copy(update={"reservation": self.hub.reservation(record)}),
+                )
                 if action.config.resumable is not None and self.resume_tokens is not None:
                     token = self.resume_tokens.issue(self.proto.session_id, self.owner, self)
                     action = OpenSession(
@@ -716,7 +720,8 @@ def create_app(hub_factory: Any, config: ServerConfig) -> FastAPI:
         except RealtimeError as exc:
             return _error_response(exc, _status_for(exc))
         http_sessions[proto.session_id] = record
-        return JSONResponse(action.event.model_dump(mode="json"))
+        opened = action.event.model_copy(update={"reservation": hub.reservation(record)})
+        return JSONResponse(opened.model_dump(mode="json"))
 
     @app.post("/v1/streaming/sessions/{session_id}/frame")
     async def http_frame(request: Request, session_id: str) -> JSONResponse:

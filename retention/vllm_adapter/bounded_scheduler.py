@@ -60,6 +60,7 @@ class BoundedSessionScheduler(RetentionScheduler):
             self.kv_cache_manager,
             int(block_size),
             _model_max_position(self.vllm_config),
+            max_model_len=int(self.max_model_len),
             uses_mrope=self._uses_mrope,
             encoder_cache_manager=getattr(self, "encoder_cache_manager", None),
         )
@@ -89,10 +90,20 @@ class BoundedSessionScheduler(RetentionScheduler):
         self._session_errors[request.request_id] = message
 
     def _update_request_as_session(self, session: Request, update: StreamingUpdate) -> None:
-        super()._update_request_as_session(session, update)
-        if session.request_id in self._session_errors:
-            return  # not folded: the session is being ended
-        self.retention.after_fold(session)
+        if not self.retention.is_retention_session(session.request_id):
+            super()._update_request_as_session(session, update)
+            return
+        # A bounded session is checked against what it holds AFTER this fold's eviction (and
+        # consolidation), not before: the pre-eviction count refused sessions that fit.
+        self._fold(session, update)
+        problem = self.retention.after_fold(session)
+        if problem is not None:
+            self._end_session_for_length(session, problem)
+
+    def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        # A preempted bounded session resumes as a consolidation (eviction.py, on_preempted).
+        self.retention.on_preempted(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         output = super().schedule(*args, **kwargs)

@@ -41,6 +41,20 @@ complete up to ``num_computed_tokens``.
   chunk; no sample of a re-prefill of old context alone is ever produced. For mRoPE models
   the remnants (pieces of evicted chunks, possibly holding placeholder tokens of a frame that
   is gone) are dropped first, so the re-prefill is a clean prompt of whole chunks.
+* Preemption. Under KV pressure vLLM preempts a running request: it frees every block, sets
+  ``num_computed_tokens`` to 0 and later recomputes the request from its token arrays. A
+  bounded session resumes as a consolidation (``on_preempted``): its history is renumbered
+  0..n-1, its hash chain is rebuilt over the compacted tokens (so the blocks the resume
+  publishes are exactly what a plain prefill of those tokens computes, never stale content under
+  an original-chain hash), and its position offset is 0. The worker cannot be told (a resumed
+  request ships no sampling params), so it applies the same rule itself to every resumed
+  retention request (``preemption.py``); the mRoPE fold record carries the preemption count
+  and the worker checks it at the next fold. Remnants are not dropped here: the worker keeps
+  its own token arrays across a preemption, so the tokens must stay as they are.
+* Context guard. What a fold must fit is what the session holds AFTER this fold's eviction and
+  consolidation: ``after_fold`` returns a reason when the held tokens still reach
+  ``max_model_len``, or the next chunk and its reply still pass ``max_position`` right after a
+  consolidation; the scheduler then ends the session (its budget was too large for its chunks).
 
 Requests without the key take none of these paths (one dict lookup per fold).
 """
@@ -79,6 +93,7 @@ class SessionRetentionState:
     fold: int = 0
     encoder_entries_released: int = 0
     encoder_inputs_scheduled: int = 0
+    preemptions: int = 0
 
 
 def budget_of(sampling_params: Any) -> RetentionBudget | None:
@@ -107,12 +122,14 @@ class SessionRetention:
         block_size: int,
         model_max_position: int,
         *,
+        max_model_len: int | None = None,
         uses_mrope: bool = False,
         encoder_cache_manager: Any = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
         self.model_max_position = model_max_position
+        self.max_model_len = max_model_len
         self.uses_mrope = uses_mrope
         self.encoder_cache_manager = encoder_cache_manager
         self.sessions: dict[str, SessionRetentionState] = {}
@@ -143,16 +160,20 @@ class SessionRetention:
 
     # -- the fold
 
-    def after_fold(self, request: Any, kind: str = "chunk") -> None:
-        """Called right after vLLM folded the next chunk into the paused request."""
+    def after_fold(self, request: Any) -> str | None:
+        """Called right after vLLM folded the next chunk into the paused request.
+
+        Returns why the session cannot go on (its chunk and reply do not fit even after this
+        fold's eviction and consolidation), or None.
+        """
         state = self.sessions.get(request.request_id)
         if state is None:
-            return
+            return None
         history = state.history
         computed = int(request.num_computed_tokens)
         new_tokens = computed - history.num_tokens
         if new_tokens > 0:
-            history = append_segment(history, kind, new_tokens)
+            history = append_segment(history, "chunk", new_tokens)
         plan = plan_eviction(history, state.budget, self.block_size, protected_tail_tokens=0)
         freed: list[tuple[int, int]] = []
         for start, end in reversed(plan.ranges):
@@ -188,9 +209,50 @@ class SessionRetention:
             set_fold(
                 request.sampling_params,
                 MRopeFold(
-                    fold=state.fold, held_before=computed, evicted=tuple(sorted(freed)), reset=reset
+                    fold=state.fold,
+                    held_before=computed,
+                    evicted=tuple(sorted(freed)),
+                    reset=reset,
+                    preemptions=state.preemptions,
                 ),
             )
+        return self._does_not_fit(request, state, incoming)
+
+    def _does_not_fit(
+        self, request: Any, state: SessionRetentionState, incoming: int
+    ) -> str | None:
+        held = int(request.num_tokens)
+        if self.max_model_len is not None and held >= self.max_model_len:
+            return (
+                f"after this fold's eviction the session holds {held} tokens; it must stay "
+                f"below max_model_len={self.max_model_len}"
+            )
+        end = state.history.next_position() + incoming
+        if end > state.max_position:
+            return (
+                f"the chunk and its reply would reach position {end} right after "
+                f"a consolidation, past max_position={state.max_position}: the budget's sinks "
+                "and window leave no room for them"
+            )
+        return None
+
+    def on_preempted(self, request: Any) -> None:
+        """vLLM preempted the session (its blocks are freed): resume it as a consolidation.
+
+        The survivors are recomputed at 0..n-1 with the chain of hashes of the compacted tokens,
+        so whatever the resume publishes to the prefix cache is what a plain prefill of those
+        tokens holds; the worker resets its offset and mRoPE positions on its own
+        (preemption.py). Reads stay off, so the resume is self-contained.
+        """
+        state = self.sessions.get(request.request_id)
+        if state is None:
+            return
+        state.preemptions += 1
+        state.history = consolidate(state.history)
+        request.block_hashes.clear()
+        request.update_block_hashes()
+        request.skip_reading_prefix_cache = True
+        _set_offset(request, 0)
 
     def _drop_remnants(
         self, request: Any, state: SessionRetentionState, history: SessionHistory
@@ -311,6 +373,7 @@ class SessionRetention:
             "tokens_held": h.num_tokens,
             "evictions": h.evictions_total,
             "consolidations": h.consolidations_total,
+            "preemptions": state.preemptions,
         }
 
     def describe(self, request: Any) -> dict[str, Any]:

@@ -46,6 +46,7 @@ def _kv_stats(core: Any) -> dict[str, Any]:
         "num_usable_blocks": int(pool.num_gpu_blocks - 1),
         "block_size": int(managers[0].block_size) if managers else None,
         "num_kv_cache_groups": len(managers),
+        "prefix_caching": bool(kv.enable_caching),
         "num_requests": len(scheduler.requests),
         "blocks_by_request": per_request,
         # Scheduler-side encoder-cache entries (referenced or lazily freeable).

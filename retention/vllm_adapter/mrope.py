@@ -51,8 +51,7 @@ Works: in-place eviction of image and clip chunks, decode after a compaction, co
 against a dense transformers forward with transformers' own 3-D positions: max |Δ logprob|
 ~1e-6 (tolerance 1e-4). Not covered: the V2 model runner (it keeps positions in its own state
 and is not patched: refused; it needs triton, so it is off on CPU anyway), async scheduling and
-pipeline parallelism (refused), preemption of a session by KV pressure (survivors are then
-recomputed at their held positions, but without the evicted context, as for 1D sessions), and
+pipeline parallelism (refused), and
 models whose temporal position scaling can outgrow the token count (the 1D consolidation
 cursor would then no longer bound the mRoPE positions).
 """
@@ -70,6 +69,8 @@ MROPE_FOLD_KEY: Final = "vllm_realtime_mrope_fold"
 _RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
 _PATCHED: Final = "_vllm_realtime_mrope_patched"
 _FOLD_ATTR: Final = "_vllm_realtime_mrope_fold"
+_RESUMES_ATTR: Final = "_vllm_realtime_resumes"
+_STOCK_INIT: Final = "_vllm_realtime_stock_init_mrope_positions"
 
 
 class MRopeSyncError(RuntimeError):
@@ -84,6 +85,9 @@ class MRopeFold:
     held_before: int = 0
     evicted: tuple[tuple[int, int], ...] = ()
     reset: bool = False
+    # Preemptions of the session so far: the worker resets positions at each resume on its own
+    # (preemption.py) and checks that it saw as many as the scheduler made.
+    preemptions: int = 0
 
     def to_args(self) -> dict[str, Any]:
         return {
@@ -91,6 +95,7 @@ class MRopeFold:
             "held_before": self.held_before,
             "evicted": [[a, b] for a, b in self.evicted],
             "reset": self.reset,
+            "preemptions": self.preemptions,
         }
 
     @classmethod
@@ -100,6 +105,7 @@ class MRopeFold:
             held_before=int(raw.get("held_before", 0)),
             evicted=tuple((int(a), int(b)) for a, b in raw.get("evicted", ())),
             reset=bool(raw.get("reset", False)),
+            preemptions=int(raw.get("preemptions", 0)),
         )
 
 
@@ -229,14 +235,33 @@ def _patch_runner(module: ModuleType) -> None:
                 f"request {req_state.req_id}: mRoPE fold {fold.fold} received, expected "
                 f"{expected}{' (a reset)' if last is None else ''}"
             )
+        resumes = resumes_seen(req_state)
+        if fold.preemptions != resumes:
+            raise MRopeSyncError(
+                f"request {req_state.req_id}: the scheduler preempted it {fold.preemptions} "
+                f"times, the worker saw {resumes} resumes"
+            )
         if fold.reset:
             original(self, req_state)  # a fresh prefill: positions over the whole prompt
         else:
             _extend_positions(self, req_state, fold)
         setattr(req_state, _FOLD_ATTR, fold.fold)
 
+    setattr(runner_cls, _STOCK_INIT, original)
     runner_cls._init_mrope_positions = _init_mrope_positions
     setattr(runner_cls, _PATCHED, True)
+
+
+def resumes_seen(req_state: Any) -> int:
+    return int(getattr(req_state, _RESUMES_ATTR, 0))
+
+
+def reset_after_preemption(runner: Any, req_state: Any) -> None:
+    """A resumed retention session is re-prefilled from 0: positions over the whole prompt,
+    as a fresh request gets them (eviction.py, on_preempted). Decode tokens after the prompt
+    follow from the new delta."""
+    getattr(type(runner), _STOCK_INIT)(runner, req_state)
+    setattr(req_state, _RESUMES_ATTR, resumes_seen(req_state) + 1)
 
 
 def install_mrope_hooks() -> None:

@@ -36,6 +36,10 @@ def register() -> None:
     # Worker half of mRoPE retention: per-request 3-D positions extended per chunk, sliced on
     # eviction (the scheduler sends what it evicted at each fold).
     install_mrope_hooks()
+    from retention.vllm_adapter.preemption import install_preemption_hooks
+
+    # Worker half of "a preempted bounded session resumes as a consolidation".
+    install_preemption_hooks()
     # Front-end half of the streaming-input hardening (the EngineCore half is
     # RetentionScheduler, selected in realtime/engine.py). It patches front-end classes, which
     # the EngineCore and worker processes import but never use.

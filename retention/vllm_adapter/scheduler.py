@@ -27,7 +27,8 @@ f. Cumulative context length, checked at the fold. vLLM validates each chunk's o
    finished with FINISHED_ERROR through vLLM's `finish_requests` (frees its KV and encoder
    inputs, tells the worker) and an ERROR output is emitted whose `stop_reason` starts with
    `CONTEXT_LENGTH_EXCEEDED` and says why. Nothing else is touched: the engine and every other
-   request go on.
+   request go on. A bounded session (bounded_scheduler.py) is checked after its fold's eviction
+   and consolidation instead: against what it will hold, not what it held.
 
 c. Late chunks never resurrect a session. Stock `add_request` adds a resumable request with an
    unknown id as a NEW session; a non-first chunk that arrives after its session ended (abort
@@ -110,13 +111,23 @@ class RetentionScheduler(Scheduler):  # type: ignore[misc]
         # vLLM's fold keeps the first num_computed_tokens tokens and appends the chunk.
         folded_len = session.num_computed_tokens + len(update.prompt_token_ids or ())
         if folded_len < self.max_model_len:
-            super()._update_request_as_session(session, update)
+            self._fold(session, update)
             return
+        self._end_session_for_length(
+            session,
+            f"adding this chunk would grow streaming session {session.request_id} to "
+            f"{folded_len} tokens; it must stay below max_model_len={self.max_model_len}",
+        )
+
+    def _fold(self, session: Request, update: StreamingUpdate) -> None:
+        """vLLM's own fold, unguarded (subclasses guard after their own bookkeeping)."""
+        Scheduler._update_request_as_session(self, session, update)
+
+    def _end_session_for_length(self, session: Request, why: str) -> None:
+        """Park the session (never runnable again) and end it with an error after this step."""
         message = (
-            f"{CONTEXT_LENGTH_EXCEEDED}: adding this chunk would grow streaming session "
-            f"{session.request_id} to {folded_len} tokens; it must stay below max_model_len="
-            f"{self.max_model_len}. The session was ended; the engine and other sessions "
-            "are unaffected."
+            f"{CONTEXT_LENGTH_EXCEEDED}: {why}. The session was ended; the engine and other "
+            "sessions are unaffected."
         )
         logger.warning(message)
         if session.status != RequestStatus.WAITING_FOR_STREAMING_REQ:

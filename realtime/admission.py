@@ -1,0 +1,159 @@
+"""Admission by footprint: what one session can hold at its peak, in KV blocks. Pure, no I/O.
+
+A session keeps its KV blocks while it waits for its next chunk, so sessions that together need
+more blocks than the pool has deadlock the engine (vllm#49439). Each session therefore reserves
+its peak at `session.open` and is refused (`capacity_exceeded`) when the reservations would pass
+the pool.
+
+Peak of a bounded session (retention on). Everything the engine holds at any step is
+
+    sinks + window + remnants + the chunk in flight + its reply
+
+* sinks: the union of the first `sink_chunks` chunks and the first `sink_tokens` tokens; the
+  first chunk carries the instructions (their exact token count is known at open);
+* window: at every fold the policy evicts down to its low watermark whenever the non-sink part
+  passes the window, so between folds it holds at most `window_chunks` segments (a segment is a
+  chunk plus its kept reply) or `window_tokens` tokens, whichever is smaller;
+* remnants: eviction frees whole blocks only (inward rounding), which leaves at most
+  `block_size - 1` tokens at the head of the evicted run (sharing a block with the sinks) and
+  as many at its tail;
+* the chunk in flight is folded AFTER the eviction, then prefilled, then answered.
+
+A consolidation (re-prefill at 0..n-1) frees the session's blocks before it allocates them
+again, and a preemption resumes as one, so neither adds to the peak. The engine's table is
+compacted (all blocks full but the tail), so blocks = ceil(tokens / block_size).
+`tests/realtime/test_admission.py` checks this bound against a simulation of the policy over
+random budgets and chunk sizes.
+
+Every chunk has a bounded size for this to hold: text turns and the text part of a frame are
+capped by `max_chunk_tokens` (counted exactly, the server tokenizes them), a frame by the
+model's processor (max pixels → max tokens per image, and per clip of at most
+`max_clip_frames` frames), instructions by `max_instructions_tokens`.
+
+Sessions without retention keep the old rule: max_model_len.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChunkBounds:
+    """The largest chunk a session may send, in tokens, as the server enforces it."""
+
+    chunk_tokens: int  # any chunk, its template, prompt text and media included
+    reply_tokens: int  # sampling.max_tokens
+    instructions_tokens: int = 0  # the first chunk's system prompt (pinned with it)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A session's peak, in tokens and blocks, with its parts (for errors and session.opened)."""
+
+    tokens: int
+    blocks: int
+    sinks: int = 0
+    window: int = 0
+    remnants: int = 0
+    chunk: int = 0
+    reply: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"sinks {self.sinks} + window {self.window} + remnants {self.remnants} + chunk "
+            f"{self.chunk} + reply {self.reply} = {self.tokens} tokens"
+        )
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+def unbounded_footprint(max_model_len: int, block_size: int) -> Footprint:
+    """A session without retention may grow to the whole context."""
+    return Footprint(tokens=max_model_len, blocks=blocks_for(max_model_len, block_size) + 1)
+
+
+def bounded_footprint(budget: dict[str, Any], bounds: ChunkBounds, block_size: int) -> Footprint:
+    """Peak tokens and blocks of a session with this retention budget (see module docstring).
+
+    `budget` has the keys of `RetentionBudget.from_request_args` (sink_tokens, sink_chunks,
+    window_chunks, window_tokens, ...).
+    """
+    chunk = bounds.chunk_tokens
+    reply = bounds.reply_tokens
+    segment = chunk + reply  # a chunk and its kept reply
+    first_segment = segment + bounds.instructions_tokens
+    sink_chunks = int(budget.get("sink_chunks") or 0)
+    sink_tokens = int(budget.get("sink_tokens") or 0)
+    pinned = first_segment + (sink_chunks - 1) * segment if sink_chunks else 0
+    sinks = max(sink_tokens, pinned)
+    # Without sink chunks the first chunk (instructions included) is an ordinary segment.
+    extra = 0 if sink_chunks else bounds.instructions_tokens
+    windows: list[int] = []
+    if budget.get("window_chunks") is not None:
+        windows.append(int(budget["window_chunks"]) * segment + extra)
+    if budget.get("window_tokens") is not None:
+        windows.append(int(budget["window_tokens"]))
+    window = min(windows) if windows else 0
+    remnants = 2 * (block_size - 1)
+    in_flight = chunk + extra
+    tokens = sinks + window + remnants + in_flight + reply
+    return Footprint(
+        tokens=tokens,
+        blocks=blocks_for(tokens, block_size),
+        sinks=sinks,
+        window=window,
+        remnants=remnants,
+        chunk=in_flight,
+        reply=reply,
+    )
+
+
+def budget_problem(footprint: Footprint, max_position: int, max_model_len: int) -> str | None:
+    """Why a bounded session with this footprint cannot run, or None.
+
+    Positions: right after a consolidation the held tokens sit at 0..n-1 and the next chunk and
+    its reply follow, so the footprint must fit under max_position. The worker's per-request
+    buffer is max_model_len wide, and vLLM needs the prompt below it.
+    """
+    if footprint.tokens > max_position:
+        return (
+            f"the retention budget does not fit the model's positions: {footprint.describe()}, "
+            f"more than max_position={max_position}; lower the window, the sinks, "
+            "sampling.max_tokens or the chunk size"
+        )
+    if footprint.tokens >= max_model_len:
+        return (
+            f"the retention budget does not fit the context: {footprint.describe()}, "
+            f"not below max_model_len={max_model_len}; lower the window, the sinks or "
+            "sampling.max_tokens"
+        )
+    return None
+
+
+def max_image_tokens(processor_config: dict[str, Any]) -> int | None:
+    """Most LLM tokens one image can become, from a Qwen-VL style processor config: the
+    processor resizes to at most max_pixels, in (patch × merge)² pixel units per token."""
+    image = processor_config.get("image_processor", processor_config)
+    size = image.get("size") or {}
+    max_pixels = image.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+    patch = image.get("patch_size")
+    merge = image.get("merge_size", 1)
+    if not max_pixels or not patch:
+        return None
+    return math.ceil(int(max_pixels) / (int(patch) * int(merge)) ** 2)
+
+
+def max_clip_tokens(processor_config: dict[str, Any], max_frames: int) -> int | None:
+    """Most LLM tokens one clip of at most `max_frames` frames can become (Qwen-VL pairs
+    frames in time: temporal_patch_size frames per token row)."""
+    video = processor_config.get("video_processor", processor_config)
+    per_frame = max_image_tokens({"image_processor": video})
+    if per_frame is None:
+        return None
+    temporal = int(video.get("temporal_patch_size", 1) or 1)
+    return per_frame * math.ceil(max_frames / temporal)

@@ -1,0 +1,67 @@
+"""Worker half of "a preempted bounded session resumes as a consolidation" (vLLM 0.32 runner).
+
+When vLLM preempts a request it frees its blocks and later resumes it by recomputing every token
+from 0. The scheduler side (``eviction.SessionRetention.on_preempted``) renumbers the session's
+history 0..n-1 and rebuilds its hash chain; the worker must then rotate every recomputed token
+at its cache index: position offset 0 (1D RoPE) and positions computed over the whole prompt
+as for a fresh request (mRoPE).
+
+A resumed request reaches the worker as ``CachedRequestData`` with its id in
+``resumed_req_ids`` and no sampling params: the worker keeps its own copy of them, which still
+carries the offset of the last fold. So the rule is applied here, to every resumed request
+whose params carry the retention offset key (set for every retention session at its first
+chunk), before vLLM's ``_update_states`` puts it back into the batch. The mRoPE fold record of
+the next fold carries the scheduler's preemption count, checked against the resumes counted
+here (``mrope.py``). Requests without the key are untouched.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Final
+
+from retention.vllm_adapter.import_hooks import patch_on_import
+from retention.vllm_adapter.mrope import reset_after_preemption
+from retention.vllm_adapter.positions import POSITION_OFFSET_KEY
+
+_RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
+_PATCHED: Final = "_vllm_realtime_preemption_patched"
+_RESUMES_1D: Final = "_vllm_realtime_resumes"
+
+
+def _reset_resumed(runner: Any, scheduler_output: Any) -> None:
+    for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+        req_state = runner.requests.get(req_id)
+        if req_state is None:
+            continue
+        params = req_state.sampling_params
+        extra = getattr(params, "extra_args", None)
+        if not extra or POSITION_OFFSET_KEY not in extra:
+            continue
+        # A new dict: in a uniprocess executor these params are the scheduler's own object,
+        # which on_preempted already set to the same value.
+        params.extra_args = {**extra, POSITION_OFFSET_KEY: 0}
+        if runner.uses_mrope:
+            reset_after_preemption(runner, req_state)
+        else:
+            setattr(req_state, _RESUMES_1D, int(getattr(req_state, _RESUMES_1D, 0)) + 1)
+
+
+def _patch_runner(module: ModuleType) -> None:
+    runner_cls = module.GPUModelRunner
+    if getattr(runner_cls, _PATCHED, False):
+        return
+    original = runner_cls._update_states
+
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        if scheduler_output.scheduled_cached_reqs.resumed_req_ids:
+            _reset_resumed(self, scheduler_output)
+        return original(self, scheduler_output)
+
+    runner_cls._update_states = _update_states
+    setattr(runner_cls, _PATCHED, True)
+
+
+def install_preemption_hooks() -> None:
+    """Idempotent: patch now if the model runner is loaded, else right after it loads."""
+    patch_on_import(_RUNNER_MODULE, _patch_runner)
