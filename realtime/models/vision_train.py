@@ -312,7 +312,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=450, help="stage 1 steps")
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--lm-steps", type=int, default=300, help="stage 2 steps")
+    ap.add_argument(
+        "--lm-steps", type=int, default=0, help="stage 2 steps (experimental, see docs/vlm.md)"
+    )
     ap.add_argument("--lm-batch", type=int, default=8)
     ap.add_argument("--frames", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
