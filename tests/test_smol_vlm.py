@@ -99,7 +99,7 @@ async def test_synthetic_frames_colour_is_named(smol_vlm_engine) -> None:  # typ
     from realtime.models.synth_frames import COLOURS, SHAPES
 
     # One large shape per frame on white or black, every colour twice. The model is below the
-    # issue's target (docs/vlm.md: ~63% of colours named on plain backgrounds), so this is a
+    # issue's target (docs/vlm.md: 65% of colours named on plain backgrounds), so this is a
     # floor that catches a broken tower or processor (random weights name ~1 in 6), not the goal.
     rng = random.Random(7)
     specs = [
