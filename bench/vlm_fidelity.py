@@ -106,8 +106,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         opened = json.loads(await ws.recv())
         assert opened["type"] == "session.opened", opened
-        n = 0
-        for kind, what in chunks:
+        for n, (kind, what) in enumerate(chunks, start=1):
             if kind == "frame":
                 img, _ = draw_frame(what, rng, (320, 240))
                 event = {"type": "frame.append", "image": _jpeg(img), "prompt": QUESTIONS["colour"]}
