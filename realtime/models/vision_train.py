@@ -1,0 +1,339 @@
+"""Train the vision tower of `smol-qwen2-vl` on synthetic frames, on CPU, in minutes.
+
+Theory of operation: no gradient flows through the language model. Each merged patch (28×28
+pixels after the processor's resize) is given a target in SmolLM2's input-embedding space, built
+from the frame's facts: every patch carries the sum of the embeddings of the words for the
+shapes' colour, their kind and their number (" red" + " circle" + " two"); a background patch
+also carries its background's colour word (" green"). The tower (a Qwen2-VL encoder: 2-D rotary
+attention, so it sees the whole frame) and its merger are fitted to these targets with a mean
+squared error. The language model then reads a frame as a few superposed words, which it
+answers about (measured: `bench/vlm_accuracy.py`).
+
+Usage (writes the packaged weights; the language model must be built first):
+
+    python -m realtime.models.vision_train --out realtime/models/data/smol_vlm_vision.safetensors
+
+Deterministic for a given thread count (seeded data and initialisation); the shipped file is what
+`models build` uses, so builds never depend on this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from realtime.models.smol_vlm import MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE
+from realtime.models.synth_frames import (
+    COUNT_WORDS,
+    NEUTRAL_BACKGROUNDS,
+    FrameSpec,
+    draw_frame,
+    random_spec,
+)
+
+CELL = PATCH_SIZE * MERGE_SIZE
+OBJECT_COVERAGE = 0.3  # a merged patch at least this much covered by shapes is an object patch
+
+
+def word_embeddings(smollm2_dir: Path) -> tuple[Any, Any]:
+    """SmolLM2's input embedding matrix and its tokenizer."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as f:
+        emb = f.get_tensor("model.embed_tokens.weight")
+    return emb, AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+class Targets:
+    """Per-merged-patch target embeddings for a frame (see the module docstring)."""
+
+    def __init__(self, emb: Any, tok: Any) -> None:
+        self.emb, self.tok = emb, tok
+
+    def word(self, w: str) -> Any:
+        ids = self.tok.encode(" " + w, add_special_tokens=False)
+        assert len(ids) == 1, (w, ids)
+        return self.emb[ids[0]]
+
+    def for_frame(self, spec: FrameSpec, coverage: Any) -> Any:
+        import torch
+
+        fact = self.word(spec.colour) + self.word(spec.shape)
+        if spec.background in NEUTRAL_BACKGROUNDS:
+            return fact.expand(len(coverage), -1).clone()
+        bg = self.word(spec.background)
+        return torch.stack([fact if c >= OBJECT_COVERAGE else bg for c in coverage.tolist()])
+
+
+def processor() -> Any:
+    from transformers import Qwen2VLImageProcessor
+
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    return Qwen2VLImageProcessor(size=size, patch_size=PATCH_SIZE, merge_size=MERGE_SIZE)
+
+
+def coverage(mask: Any, grid_h: int, grid_w: int) -> Any:
+    """Fraction of each merged patch covered by shapes, in the processor's token order."""
+    import numpy as np
+    from PIL import Image
+
+    h, w = grid_h * PATCH_SIZE, grid_w * PATCH_SIZE
+    m = np.asarray(mask.resize((w, h), Image.BILINEAR), dtype=np.float32) / 255.0
+    return m.reshape(h // CELL, CELL, w // CELL, CELL).mean(axis=(1, 3)).reshape(-1)
+
+
+def jpeg(img: Any, rng: random.Random) -> Any:
+    """What the server decodes: frames arrive as JPEG."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=rng.randint(60, 95))
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
+def make_dataset(n: int, seed: int, targets: Targets) -> list[tuple[Any, Any, Any, FrameSpec]]:
+    """n frames as (pixel patches fp16, grid_thw, target embeddings, spec)."""
+    import torch
+
+    rng = random.Random(seed)
+    proc = processor()
+    data = []
+    for _ in range(n):
+        spec = random_spec(rng)
+        img, mask = draw_frame(spec, rng)
+        out = proc(images=[jpeg(img, rng)], return_tensors="pt")
+        grid = out["image_grid_thw"][0]
+        cov = coverage(mask, int(grid[1]), int(grid[2]))
+        data.append(
+            (out["pixel_values"].to(torch.float16), grid, targets.for_frame(spec, cov), spec)
+        )
+    return data
+
+
+INSTRUCTIONS = (
+    "You are a vision assistant. Answer in one short sentence.",
+    "You watch a camera. In one short sentence, say what you see.",
+    None,
+)
+QUESTIONS = {
+    "colour": ("What colour is it?", "What color is the shape?"),
+    "shape": ("What is the shape?", "Which shape is it?"),
+    "count": ("How many shapes are there?",),
+    "describe": ("Describe the image.", "What do you see?"),
+}
+
+
+def answer(kind: str, spec: FrameSpec) -> str:
+    """The reply stage 2 teaches, for each kind of question."""
+    n, plural = spec.count, "s" if spec.count > 1 else ""
+    if kind == "colour":
+        return f"It is {spec.colour}."
+    if kind == "shape":
+        return f"They are {spec.shape}s." if n > 1 else f"It is a {spec.shape}."
+    if kind == "count":
+        verb = "are" if n > 1 else "is"
+        return f"There {verb} {COUNT_WORDS[n]} {spec.shape}{plural}."
+    article = COUNT_WORDS[n].capitalize() if n > 1 else "A"
+    return f"{article} {spec.colour} {spec.shape}{plural} on a {spec.background} background."
+
+
+def _turn(n_tokens: int, question: str) -> str:
+    # As realtime.engine_session.render_chunk renders a frame chunk.
+    pads = "<|image_pad|>" * n_tokens
+    return (
+        f"<|im_start|>user\n<|vision_start|>{pads}<|vision_end|>{question}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def lm_batch(items: list[Any], rng: random.Random, tok: Any) -> dict[str, Any]:
+    """Token ids, labels (the answer only) and images for a batch of one- or two-frame chats.
+    A two-frame chat asks about the second frame after a first answered turn, so the model
+    learns to answer about the latest frame of a session."""
+    import torch
+
+    seqs, labels, pixels, grids = [], [], [], []
+    for group in items:
+        instr = rng.choice(INSTRUCTIONS)
+        prefix = f"<|im_start|>system\n{instr}<|im_end|>\n" if instr else ""
+        text = prefix
+        for i, (pv, grid, _tgt, spec) in enumerate(group):
+            kind = rng.choice(list(QUESTIONS))
+            n_tokens = int(grid.prod()) // (MERGE_SIZE**2)
+            text += _turn(n_tokens, rng.choice(QUESTIONS[kind]))
+            pixels.append(pv)
+            grids.append(grid)
+            if i < len(group) - 1:
+                text += answer(kind, spec) + "<|im_end|>\n"
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        ans = tok(answer(kind, spec) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        seqs.append(ids + ans)
+        labels.append([-100] * len(ids) + ans)
+    width = max(len(x) for x in seqs)
+    pad = tok.pad_token_id or 0
+    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in seqs])
+    return {
+        "input_ids": input_ids,
+        "labels": torch.tensor([x + [-100] * (width - len(x)) for x in labels]),
+        "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs]),
+        "pixel_values": torch.cat(pixels).to(torch.float32),
+        "image_grid_thw": torch.stack(grids),
+    }
+
+
+def train_embeddings(
+    model: Any, data: list[Any], scale: float, *, steps: int, batch: int, seed: int
+) -> list[tuple[int, float]]:
+    """Stage 1: fit each merged patch to its word-embedding target (mean squared error)."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    rng = random.Random(seed)
+    log = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        items = rng.sample(data, batch)
+        pv = torch.cat([x[0] for x in items]).to(torch.float32)
+        grid = torch.stack([x[1] for x in items])
+        tgt = torch.cat([x[2] for x in items])
+        pred = model(pv, grid_thw=grid).pooler_output
+        loss = torch.nn.functional.mse_loss(pred / scale, tgt / scale)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == steps - 1:
+            log.append((step, float(loss.detach())))
+            print(f"stage 1 step {step} loss {log[-1][1]:.4f} {time.perf_counter() - t0:.0f}s")
+    return log
+
+
+def train_through_lm(
+    model: Any, data: list[Any], smollm2_dir: Path, *, steps: int, batch: int, seed: int
+) -> list[tuple[int, float]]:
+    """Stage 2: the frozen language model's loss on the answers, back-propagated to the tower
+    only (the language model's weights never change)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    from realtime.models.smol_vlm import build_smol_vlm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_smol_vlm(Path(tmp), smollm2_dir, vision_weights=Path(tmp) / "none")
+        vlm = Qwen2VLForConditionalGeneration.from_pretrained(tmp, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(tmp)
+    vlm.eval()
+    for p in vlm.parameters():
+        p.requires_grad_(False)
+    vlm.model.visual = model
+    model.train()
+    pad_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.1)
+    rng = random.Random(seed)
+    log = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        groups = [rng.sample(data, 2 if rng.random() < 0.25 else 1) for _ in range(batch)]
+        b = lm_batch(groups, rng, tok)
+        out = vlm(**b, mm_token_type_ids=(b["input_ids"] == pad_id).long())
+        opt.zero_grad()
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 10 == 0 or step == steps - 1:
+            log.append((step, float(out.loss.detach())))
+            print(f"stage 2 step {step} loss {log[-1][1]:.4f} {time.perf_counter() - t0:.0f}s")
+    return log
+
+
+def train(
+    smollm2_dir: Path,
+    out: Path,
+    *,
+    steps: int,
+    lm_steps: int,
+    batch: int,
+    lm_batch_size: int,
+    n_train: int,
+    seed: int = 0,
+    init: Path | None = None,
+) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from realtime.models.smol_vlm import vision_model
+
+    torch.manual_seed(seed)
+    emb, tok = word_embeddings(smollm2_dir)
+    t0 = time.perf_counter()
+    data = make_dataset(n_train, seed, Targets(emb, tok))
+    info: dict[str, Any] = {"data_s": time.perf_counter() - t0}
+    weights = None
+    if init is not None:
+        weights = {k: v.to(torch.float32) for k, v in load_file(str(init)).items()}
+    model = vision_model(weights)
+    model.train()
+    t1 = time.perf_counter()
+    if init is None:
+        info["stage1_loss"] = train_embeddings(
+            model, data, float(emb.std()), steps=steps, batch=batch, seed=seed + 1
+        )
+    info["stage1_s"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    if lm_steps:
+        info["stage2_loss"] = train_through_lm(
+            model, data, smollm2_dir, steps=lm_steps, batch=lm_batch_size, seed=seed + 2
+        )
+    info["stage2_s"] = time.perf_counter() - t2
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", "steps": str(steps), "lm_steps": str(lm_steps), "seed": str(seed)}
+    save_file(state, str(out), metadata=meta)
+    info["params"] = sum(p.numel() for p in model.parameters())
+    return info
+
+
+def main() -> None:
+    from realtime.models import build_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=450, help="stage 1 steps")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument(
+        "--lm-steps", type=int, default=0, help="stage 2 steps (experimental, see docs/vlm.md)"
+    )
+    ap.add_argument("--lm-batch", type=int, default=8)
+    ap.add_argument("--frames", type=int, default=4000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", type=Path, help="skip stage 1: start from these weights")
+    args = ap.parse_args()
+    src = build_model("smollm2-135m-instruct")
+    info = train(
+        src,
+        args.out,
+        steps=args.steps,
+        lm_steps=args.lm_steps,
+        batch=args.batch,
+        lm_batch_size=args.lm_batch,
+        n_train=args.frames,
+        seed=args.seed,
+        init=args.init,
+    )
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""`smol-qwen2-vl`: SmolLM2-135M inside Qwen2-VL, with a vision tower trained on synthetic frames.
+
+It must (a) be SmolLM2 on text (greedy-equal through vLLM: zero q/k/v biases, and mRoPE gives
+text tokens 1D positions), (b) name the colour of synthetic frames more often than chance and (c)
+call Chromium's fake-camera frame green. Accuracy over 500 held-out frames is `bench/vlm_accuracy.py`'s job.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from realtime.models import build_model, model_dir
+from realtime.models.smol_vlm import MROPE_SECTION, RENAMED_TOKENS, VISION_WEIGHTS
+from realtime.models.synth_frames import FrameSpec, draw_frame, pacman_frame
+from tests.conftest import engine_settings
+
+NAME = "smol-qwen2-vl"
+
+
+def test_vision_weights_ship_small() -> None:
+    # Committed fp16 weights (the build only assembles files); the issue's bound is 5 MB.
+    assert VISION_WEIGHTS.stat().st_size < 5 * 1024 * 1024
+
+
+def test_config_is_smollm2_with_mrope_and_vision_tokens() -> None:
+    from transformers import AutoProcessor
+
+    path = build_model(NAME)
+    cfg = json.loads((path / "config.json").read_text())
+    text = cfg["text_config"]
+    assert (text["num_hidden_layers"], text["hidden_size"], text["vocab_size"]) == (30, 576, 49152)
+    # head_dim 64: the sections cover its 32 rotary frequencies exactly.
+    assert sum(MROPE_SECTION) == 576 // 9 // 2 == sum(text["rope_parameters"]["mrope_section"])
+    assert cfg["vision_config"]["hidden_size"] == 576
+    proc = AutoProcessor.from_pretrained(str(path))
+    tok = proc.tokenizer
+    assert len(tok) == 49152  # SmolLM2's vocabulary: unused special ids were renamed, none added
+    for i, name in RENAMED_TOKENS.items():
+        assert tok.convert_tokens_to_ids(name) == i
+    assert tok.convert_tokens_to_ids("<|im_start|>") == 1
+    text_prompt = "<|vision_start|><|image_pad|><|vision_end|>hi"
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    for size, tokens in (((112, 112), 16), ((640, 480), 12)):
+        image = pacman_frame(size)
+        out = proc(text=[text_prompt], images=[image], return_tensors="pt")
+        # 112×112 → 8×8 patches → 4×4 merged; 640×480 is resized to 112×84 → 4×3.
+        assert int((out["input_ids"] == pad).sum()) == tokens
+
+
+@pytest.fixture(scope="module")
+async def smol_vlm_engine() -> AsyncIterator[object]:
+    from realtime.engine import start_engine
+
+    engine = start_engine(
+        engine_settings(NAME, extra={"limit_mm_per_prompt": {"image": 1, "video": 1}})
+    )
+    yield engine
+    engine.shutdown()
+
+
+async def _generate(engine, prompt, max_tokens: int):  # type: ignore[no-untyped-def]
+    from vllm import SamplingParams
+
+    final = None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    async for out in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
+        final = out
+    assert final is not None
+    return final.outputs[0]
+
+
+@pytest.mark.slow
+async def test_text_greedy_equals_smollm2(smol_vlm_engine) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm.inputs import TokensPrompt
+
+    ref_path = str(model_dir("smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(ref_path)
+    ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32)
+    for prompt in ("What is the capital of France?", "Name three colors.", "Count to five."):
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        with torch.no_grad():
+            want = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0]
+        got = await _generate(smol_vlm_engine, TokensPrompt(prompt_token_ids=ids), 16)
+        assert list(got.token_ids) == want[len(ids) :].tolist()[: len(got.token_ids)], prompt
+
+
+@pytest.mark.slow
+async def test_synthetic_frames_colour_is_named(smol_vlm_engine) -> None:  # type: ignore[no-untyped-def]
+    from bench.vlm_accuracy import QUESTIONS, prompt_for
+    from realtime.models.synth_frames import COLOURS, SHAPES
+
+    # One large shape per frame on white or black, every colour twice. The model is below the
+    # issue's target (docs/vlm.md: 65% of colours named on plain backgrounds), so this is a
+    # floor that catches a broken tower or processor (random weights name ~1 in 6), not the goal.
+    rng = random.Random(7)
+    specs = [
+        FrameSpec(c, SHAPES[i % 3], 1, ("white", "black")[j])
+        for i, c in enumerate(COLOURS)
+        for j in range(2)
+    ]
+    named = []
+    for spec in specs:
+        image, _ = draw_frame(spec, rng, (320, 240))
+        reply = await _generate(smol_vlm_engine, prompt_for(image, QUESTIONS["colour"]), 24)
+        named.append(spec.colour in reply.text.lower())
+    assert sum(named) >= len(specs) // 2, named
+
+
+@pytest.mark.slow
+async def test_fake_camera_frame_is_described_as_green(smol_vlm_engine) -> None:  # type: ignore[no-untyped-def]
+    from bench.vlm_accuracy import DESCRIBE, prompt_for
+
+    reply = await _generate(smol_vlm_engine, prompt_for(pacman_frame(), DESCRIBE), 32)
+    assert "green" in reply.text.lower(), reply.text
