@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--max-chunk-tokens",
         type=_positive_int,
-        default=256,
+        default=128,
         help="most tokens of one chunk's text (admission reserves bounded sessions from it)",
     )
     serve.add_argument(

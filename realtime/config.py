@@ -31,7 +31,7 @@ class ServerConfig:
     # Most tokens of one chunk's text (a text turn, or a frame's prompt; the chat template
     # included) and of the instructions: admission reserves a bounded session's footprint from
     # them (realtime/admission.py), so they are enforced (chunk_too_large, invalid_request).
-    max_chunk_tokens: int = 256
+    max_chunk_tokens: int = 128
     max_instructions_tokens: int = 512
     # On SIGTERM/SIGINT: seconds the replies in flight get to finish before they are cancelled
     # (realtime/drain.py). Keep it under the supervisor's kill timeout (Kubernetes: 30 s).

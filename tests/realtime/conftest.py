@@ -56,6 +56,9 @@ async def _serve(
     from realtime.server import create_app
 
     port = port or free_port()
+    # The shared engines have a 1024-token context: with the default 128-token chunk cap a
+    # client budget of a few chunks would not fit (realtime/admission.py). Test chunks are short.
+    cfg.setdefault("max_chunk_tokens", 64)
     config = ServerConfig(port=port, api_key=api_key, **cfg)  # type: ignore[arg-type]
 
     async def hub_factory() -> SessionHub:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 import websockets
 
+from protocol import SessionConfig
 from retention.vllm_adapter.introspect import kv_stats
 from tests.realtime.conftest import (
     BOUNDED_TEXT,
@@ -340,3 +341,29 @@ async def test_bounded_text_session_outlives_max_model_len(text_server: RunningS
         assert sent > 1024 + 256, sent  # well past max_model_len in all
         assert r["tokens_retained"] < 300, r
     assert await wait_free_blocks(text_server, before) == before
+
+
+async def test_budget_that_cannot_fit_is_refused_with_its_numbers(server: RunningServer) -> None:
+    """Defect 3 of the capacity issue: sinks + window + chunk + reply past the context."""
+    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
+        assert (await recv(ws))["type"] == "session.created"
+        too_big = {"sink_chunks": 1, "window_chunks": 10}
+        await ws.send(
+            json.dumps({"type": "session.open", "modality": "text", "retention": too_big})
+        )
+        err = await recv(ws)
+        assert err["type"] == "error" and err["error"]["code"] == "invalid_request", err
+        message = err["error"]["message"]
+        assert "window" in message and "max_model_len=1024" in message, message
+        # The connection survives and a budget that fits opens, with its reservation.
+        await ws.send(json.dumps({"type": "session.open", **BOUNDED_TEXT}))
+        opened = await recv(ws)
+        assert opened["type"] == "session.opened", opened
+        reservation = opened["reservation"]
+        assert reservation["bounded"] and reservation["block_size"] == 32
+        assert reservation["kv_blocks"] == server.hub.reservation_blocks(
+            SessionConfig(**BOUNDED_TEXT)
+        )
+        assert reservation["kv_blocks"] < server.hub.reservation_blocks(
+            SessionConfig(modality="text", retention={"enabled": False})
+        )

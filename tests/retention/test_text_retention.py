@@ -268,3 +268,24 @@ async def test_endurance_2000_chunks_bounded_blocks_and_no_leak(
             break
         await asyncio.sleep(0.05)
     assert (await kv_stats(smollm2_engine))["num_free_blocks"] == usable
+
+
+async def test_fold_guard_counts_what_the_session_holds_after_eviction(
+    smollm2_engine: Any,
+) -> None:
+    """Defect 2 of the capacity issue: the context guard used the count before the fold's
+    eviction, so a session whose eviction leaves ~600 of the 1024 tokens was ended at fold 5
+    (5 x 200 + 200 >= 1024)."""
+    import random
+
+    rng = random.Random(5)
+    budget = {"sink_chunks": 1, "window_chunks": 3, "low_watermark_ratio": 0.34}
+    session = Session(smollm2_engine, budget)
+    try:
+        for _ in range(8):
+            await session.send([rng.randrange(1000, 20000) for _ in range(200)])
+        state = await retention_state(smollm2_engine, session.request_id)
+        assert state is not None and state["evictions"] >= 2
+        assert state["tokens_held"] < 1024
+    finally:
+        await session.close()
