@@ -187,10 +187,10 @@ class SessionHub:
     def admit(self, config: SessionConfig, *, instructions_tokens: int) -> tuple[Footprint, bool]:
         """What admission reserves for a session, and whether that is its bounded footprint.
 
-        A budget the client chose that cannot fit (sinks + window + chunk + reply past
-        max_position or max_model_len) is refused with invalid_request, naming the numbers.
-        The server's own default budget whose worst case does not fit this engine (a small
-        context) is reserved as a whole context instead, as an unbounded session is.
+        A budget the client chose whose footprint (sinks + window + remnants + chunk + reply)
+        passes max_position is refused with invalid_request, naming the numbers. A budget whose
+        worst case (every chunk at its cap) only passes max_model_len, or the server's default
+        budget, is reserved as a whole context instead, as an unbounded session is.
         """
         fp = self.footprint(config, instructions_tokens=instructions_tokens)
         if self.retention_args(config) is None:
@@ -198,8 +198,11 @@ class SessionHub:
         problem = budget_problem(fp, self.max_position, self.max_model_len)
         if problem is None:
             return fp, True
-        if config.retention.model_fields_set & _BUDGET_FIELDS:
+        if fp.tokens > self.max_position and config.retention.model_fields_set & _BUDGET_FIELDS:
+            # Its positions could pass the model's range even right after a consolidation.
             raise InvalidRequestError(f"session.open.retention: {problem}")
+        # Its worst case (every chunk at its cap) does not fit the context: reserve the whole
+        # context; the engine ends it if its real chunks ever do not fit after an eviction.
         return unbounded_footprint(self.max_model_len, self.block_size), False
 
     def reservation_blocks(self, config: SessionConfig | None = None) -> int:

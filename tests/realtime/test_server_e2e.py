@@ -347,14 +347,14 @@ async def test_budget_that_cannot_fit_is_refused_with_its_numbers(server: Runnin
     """Defect 3 of the capacity issue: sinks + window + chunk + reply past the context."""
     async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
         assert (await recv(ws))["type"] == "session.created"
-        too_big = {"sink_chunks": 1, "window_chunks": 10}
+        too_big = {"sink_chunks": 1, "window_chunks": 40}
         await ws.send(
             json.dumps({"type": "session.open", "modality": "text", "retention": too_big})
         )
         err = await recv(ws)
         assert err["type"] == "error" and err["error"]["code"] == "invalid_request", err
         message = err["error"]["message"]
-        assert "window" in message and "max_model_len=1024" in message, message
+        assert "window" in message and "max_position=4096" in message, message
         # The connection survives and a budget that fits opens, with its reservation.
         await ws.send(json.dumps({"type": "session.open", **BOUNDED_TEXT}))
         opened = await recv(ws)
