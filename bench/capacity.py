@@ -60,7 +60,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from retention.vllm_adapter.introspect import kv_stats, retention_state
 
     settings = EngineSettings(
-        model="smollm2-135m-instruct", max_model_len=2048, dtype="float32", max_num_seqs=256
+        model="smollm2-135m-instruct",
+        max_model_len=2048,
+        dtype="float32",
+        max_num_seqs=256,
+        block_size=args.block_size,
     )
     async with serve(settings, "smollm2-135m-instruct", max_sessions=1000) as srv:
         hub = srv["hub"]
@@ -162,6 +166,12 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=100)
     parser.add_argument("--window", type=int, default=4, help="window_chunks of every session")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="KV block size (default: vLLM's for the device)",
+    )
     parser.add_argument("--stall-s", type=float, default=120.0)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()

@@ -105,6 +105,7 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         retention_max_position=args.retention_max_position,
         max_chunk_tokens=args.max_chunk_tokens,
         max_instructions_tokens=args.max_instructions_tokens,
+        strict_budgets=args.strict_budgets,
         drain_timeout_s=args.drain_timeout,
         max_resume_grace_s=args.max_resume_grace,
     )
@@ -162,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         type=_positive_int,
         default=512,
         help="most tokens of session.open.instructions",
+    )
+    serve.add_argument(
+        "--strict-budgets",
+        action="store_true",
+        help="refuse a client's retention budget whose worst case does not fit the model",
     )
     serve.add_argument(
         "--drain-timeout",

@@ -33,6 +33,9 @@ class ServerConfig:
     # them (realtime/admission.py), so they are enforced (chunk_too_large, invalid_request).
     max_chunk_tokens: int = 128
     max_instructions_tokens: int = 512
+    # Refuse (invalid_request) a client's retention budget whose worst case cannot fit, instead
+    # of reserving it as a whole context (SessionHub.admit).
+    strict_budgets: bool = False
     # On SIGTERM/SIGINT: seconds the replies in flight get to finish before they are cancelled
     # (realtime/drain.py). Keep it under the supervisor's kill timeout (Kubernetes: 30 s).
     drain_timeout_s: float = 20.0

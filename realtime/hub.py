@@ -187,10 +187,11 @@ class SessionHub:
     def admit(self, config: SessionConfig, *, instructions_tokens: int) -> tuple[Footprint, bool]:
         """What admission reserves for a session, and whether that is its bounded footprint.
 
-        A budget the client chose whose footprint (sinks + window + remnants + chunk + reply)
-        passes max_position is refused with invalid_request, naming the numbers. A budget whose
-        worst case (every chunk at its cap) only passes max_model_len, or the server's default
-        budget, is reserved as a whole context instead, as an unbounded session is.
+        A budget whose worst case (sinks + window + remnants + every chunk at its cap + reply)
+        passes max_position or max_model_len is reserved as a whole context, as an unbounded
+        session is; with `strict_budgets` a budget the client set is refused instead
+        (invalid_request, naming the numbers). Refusing by default refused every default-size
+        video session on small contexts: a 16-frame clip at max pixels is 512 tokens.
         """
         fp = self.footprint(config, instructions_tokens=instructions_tokens)
         if self.retention_args(config) is None:
@@ -198,11 +199,12 @@ class SessionHub:
         problem = budget_problem(fp, self.max_position, self.max_model_len)
         if problem is None:
             return fp, True
-        if fp.tokens > self.max_position and config.retention.model_fields_set & _BUDGET_FIELDS:
-            # Its positions could pass the model's range even right after a consolidation.
+        if self.config.strict_budgets and config.retention.model_fields_set & _BUDGET_FIELDS:
             raise InvalidRequestError(f"session.open.retention: {problem}")
-        # Its worst case (every chunk at its cap) does not fit the context: reserve the whole
-        # context; the engine ends it if its real chunks ever do not fit after an eviction.
+        # Its worst case (every chunk at its cap) does not fit: reserve the whole context; the
+        # engine ends the session (context_length_exceeded) if its real chunks ever do not fit
+        # after an eviction and a consolidation.
+        log.info("session budget reserved as a whole context: %s", problem)
         return unbounded_footprint(self.max_model_len, self.block_size), False
 
     def reservation_blocks(self, config: SessionConfig | None = None) -> int:

@@ -32,6 +32,7 @@ TABLE: dict[str, tuple[str, str, bool]] = {
     "frame_too_large": ("FrameTooLarge", "invalid_request_error", True),
     "undecodable_frame": ("UndecodableFrame", "invalid_request_error", True),
     "binary_unexpected": ("BinaryUnexpected", "invalid_request_error", True),
+    "chunk_too_large": ("ChunkTooLarge", "invalid_request_error", True),
     "context_exceeded": ("ContextExceeded", "invalid_request_error", False),
     "session_closed": ("SessionClosed", "invalid_request_error", False),
     "session_not_found": ("SessionNotFound", "invalid_request_error", False),

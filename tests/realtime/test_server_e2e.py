@@ -343,27 +343,37 @@ async def test_bounded_text_session_outlives_max_model_len(text_server: RunningS
     assert await wait_free_blocks(text_server, before) == before
 
 
-async def test_budget_that_cannot_fit_is_refused_with_its_numbers(server: RunningServer) -> None:
-    """Defect 3 of the capacity issue: sinks + window + chunk + reply past the context."""
-    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
-        assert (await recv(ws))["type"] == "session.created"
-        too_big = {"sink_chunks": 1, "window_chunks": 40}
-        await ws.send(
-            json.dumps({"type": "session.open", "modality": "text", "retention": too_big})
-        )
-        err = await recv(ws)
-        assert err["type"] == "error" and err["error"]["code"] == "invalid_request", err
-        message = err["error"]["message"]
-        assert "window" in message and "max_position=4096" in message, message
-        # The connection survives and a budget that fits opens, with its reservation.
-        await ws.send(json.dumps({"type": "session.open", **BOUNDED_TEXT}))
-        opened = await recv(ws)
-        assert opened["type"] == "session.opened", opened
-        reservation = opened["reservation"]
-        assert reservation["bounded"] and reservation["block_size"] == 32
-        assert reservation["kv_blocks"] == server.hub.reservation_blocks(
-            SessionConfig(**BOUNDED_TEXT)
-        )
-        assert reservation["kv_blocks"] < server.hub.reservation_blocks(
-            SessionConfig(modality="text", retention={"enabled": False})
-        )
+async def test_budget_that_cannot_fit_is_refused_with_its_numbers(vlm_engine: Any) -> None:
+    """Defect 3 of the capacity issue: sinks + window + chunk + reply past the positions. A
+    strict server refuses it with the numbers; the default server reserves it as a whole
+    context. A budget that fits reserves its footprint, reported in session.opened."""
+    from tests.realtime.conftest import _serve
+
+    too_big = {"sink_chunks": 1, "window_chunks": 40}
+    for strict in (True, False):
+        async for srv in _serve(vlm_engine, None, strict_budgets=strict):
+            async with websockets.connect(srv.url, subprotocols=SUBPROTOCOLS) as ws:
+                assert (await recv(ws))["type"] == "session.created"
+                await ws.send(
+                    json.dumps({"type": "session.open", "modality": "text", "retention": too_big})
+                )
+                reply = await recv(ws)
+                if strict:
+                    assert reply["type"] == "error", reply
+                    assert reply["error"]["code"] == "invalid_request"
+                    message = reply["error"]["message"]
+                    assert "window" in message and "max_position=4096" in message, message
+                    await ws.send(json.dumps({"type": "session.open", **BOUNDED_TEXT}))
+                    opened = await recv(ws)
+                    assert opened["type"] == "session.opened", opened
+                    reservation = opened["reservation"]
+                    assert reservation["bounded"] and reservation["block_size"] == 32
+                    assert reservation["kv_blocks"] == srv.hub.reservation_blocks(
+                        SessionConfig(**BOUNDED_TEXT)
+                    )
+                    assert reservation["kv_blocks"] < srv.hub.reservation_blocks(
+                        SessionConfig(modality="text", retention={"enabled": False})
+                    )
+                else:
+                    assert reply["type"] == "session.opened", reply
+                    assert reply["reservation"]["bounded"] is False

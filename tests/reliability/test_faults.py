@@ -223,22 +223,25 @@ async def test_activity_keeps_a_session_alive(idle_server: RunningServer) -> Non
 
 @pytest.fixture(scope="module")
 async def consolidating_server(smollm2_engine: object) -> AsyncIterator[RunningServer]:
-    # Positions capped at 160: with 2-token replies a session consolidates every few turns.
+    # Positions capped at 256: after 7 short turns a 124-token chunk passes it, so its fold
+    # consolidates; after the consolidation it fits (held + chunk + reply < 256), which the
+    # engine now checks (a chunk that cannot fit even then ends the session).
     async for s in _serve(
         smollm2_engine,
         None,
         model_name="smollm2-135m-instruct",
         max_sessions=4,
-        retention_max_position=160,
+        retention_max_position=256,
+        max_chunk_tokens=128,
     ):
         yield s
 
 
 async def test_disconnect_during_consolidation(consolidating_server: RunningServer) -> None:
     """Hang up just after sending a chunk whose fold consolidates (the request frees every block
-    and re-prefills its window), at a few delays: every block comes back. A chunk of ~120
-    tokens cannot fit under the 160-position cap next to any history, so its fold always
-    consolidates; the first one is checked, the second one is cut off."""
+    and re-prefills its window), at a few delays: every block comes back. After 7 turns a
+    124-token chunk passes the 256-position cap, so its fold consolidates; the first one is
+    checked, the second one is cut off."""
     srv = consolidating_server
     before = await wait_quiescent(srv)
     big = "Describe it. " + " ".join(f"item{i}" for i in range(40))
@@ -248,7 +251,7 @@ async def test_disconnect_during_consolidation(consolidating_server: RunningServ
             ws,
             **BOUNDED_TEXT,
         )
-        for turn in range(3):
+        for turn in range(7):
             await ws.send(json.dumps({"type": "frame.append", "text": f"Turn {turn}: a colour?"}))
             done, _ = await recv_until(ws, "response.done")
             assert done["status"] in ("completed", "incomplete"), done
