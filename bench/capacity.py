@@ -91,7 +91,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 break
             reservation = reply["reservation"]
             sockets.append(ws)
-        text = _max_size_text(hub, hub.config.max_chunk_tokens)
+        text = _max_size_text(hub, hub.config.max_chunk_tokens - 4)  # room for the turn number
         peaks = [0] * len(sockets)
         stalls = 0
         latencies: list[float] = []
