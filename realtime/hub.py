@@ -73,6 +73,8 @@ class SessionRecord:
     # bounded session this is what the next fold is checked against, not the tokens ever sent.
     tokens_held: int = 0
     bounded: bool = False
+    # Tokens of the instructions' system turn (counted at open; pinned in the first chunk).
+    instructions_tokens: int = 0
 
     @property
     def reserved_blocks(self) -> int:
@@ -93,7 +95,9 @@ class SessionHub:
         # Set by start() from the engine's KV pool.
         self.block_size = 0
         self.usable_blocks = 0
-        self.max_position = _model_max_position(engine.model_config)
+        from retention.vllm_adapter.bounded_scheduler import model_max_position
+
+        self.max_position = model_max_position(engine.model_config)
         if config.retention_max_position is not None:
             self.max_position = min(self.max_position, config.retention_max_position)
         # Tokens a frame can add beyond its text (image or clip at the processor's max pixels).
@@ -260,7 +264,8 @@ class SessionHub:
                 raise CapacityExceeded(
                     f"this API key holds {mine} sessions; at most {per_key} per key"
                 )
-        fp, bounded = self.admit(config, instructions_tokens=self._instructions_tokens(config))
+        instructions_tokens = self._instructions_tokens(config)
+        fp, bounded = self.admit(config, instructions_tokens=instructions_tokens)
         free = self.usable_blocks - self.reserved_total()
         if fp.blocks > free:
             raise CapacityExceeded(
@@ -282,7 +287,9 @@ class SessionHub:
         if retention is not None:
             params.extra_args = {"streaming_retention": retention}
         session = EngineSession(self.engine, protocol.session_id, params)
-        record = SessionRecord(protocol, session, fp, owner, bounded=bounded)
+        record = SessionRecord(
+            protocol, session, fp, owner, bounded=bounded, instructions_tokens=instructions_tokens
+        )
         self.sessions[protocol.session_id] = record
         self.metrics.sessions_open.set(len(self.sessions))
         self.metrics.kv_blocks_reserved.set(self.reserved_total())
@@ -318,7 +325,7 @@ class SessionHub:
         assert config is not None
         text_tokens = self.count_tokens(prompt["prompt"])
         if record.engine_session.chunks == 0:
-            text_tokens -= self._instructions_tokens(config)  # counted at open, pinned
+            text_tokens -= record.instructions_tokens  # counted at open, pinned
         cap = self.config.max_chunk_tokens
         if text_tokens > cap:
             raise ChunkTooLarge(
@@ -451,12 +458,6 @@ class SessionHub:
             raise InvalidEvent(
                 f"session.open.modality: {self.model_name!r} takes text only; use 'text'"
             )
-
-
-def _model_max_position(model_config: Any) -> int:
-    """The model's trained position range (RoPE), else max_model_len."""
-    trained = getattr(model_config.hf_text_config, "max_position_embeddings", None)
-    return int(trained) if trained else int(model_config.max_model_len)
 
 
 def _max_frame_tokens(model_config: Any) -> int:

@@ -23,8 +23,8 @@ logger = logging.getLogger(__name__)
 RETENTION_UNSUPPORTED = "retention_unsupported"
 
 
-def _model_max_position(vllm_config: Any) -> int:
-    model_config = vllm_config.model_config
+def model_max_position(model_config: Any) -> int:
+    """The model's trained RoPE position range, else max_model_len (also the server's limit)."""
     text_config = model_config.hf_text_config
     trained = getattr(text_config, "max_position_embeddings", None)
     return int(trained) if trained else int(model_config.max_model_len)
@@ -59,7 +59,7 @@ class BoundedSessionScheduler(RetentionScheduler):
         self.retention = SessionRetention(
             self.kv_cache_manager,
             int(block_size),
-            _model_max_position(self.vllm_config),
+            model_max_position(self.vllm_config.model_config),
             max_model_len=int(self.max_model_len),
             uses_mrope=self._uses_mrope,
             encoder_cache_manager=getattr(self, "encoder_cache_manager", None),

@@ -256,12 +256,16 @@ def resumes_seen(req_state: Any) -> int:
     return int(getattr(req_state, _RESUMES_ATTR, 0))
 
 
+def note_resume(req_state: Any) -> None:
+    setattr(req_state, _RESUMES_ATTR, resumes_seen(req_state) + 1)
+
+
 def reset_after_preemption(runner: Any, req_state: Any) -> None:
     """A resumed retention session is re-prefilled from 0: positions over the whole prompt,
     as a fresh request gets them (eviction.py, on_preempted). Decode tokens after the prompt
     follow from the new delta."""
     getattr(type(runner), _STOCK_INIT)(runner, req_state)
-    setattr(req_state, _RESUMES_ATTR, resumes_seen(req_state) + 1)
+    note_resume(req_state)
 
 
 def install_mrope_hooks() -> None:

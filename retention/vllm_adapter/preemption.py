@@ -21,12 +21,11 @@ from types import ModuleType
 from typing import Any, Final
 
 from retention.vllm_adapter.import_hooks import patch_on_import
-from retention.vllm_adapter.mrope import reset_after_preemption
+from retention.vllm_adapter.mrope import note_resume, reset_after_preemption
 from retention.vllm_adapter.positions import POSITION_OFFSET_KEY
 
 _RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
 _PATCHED: Final = "_vllm_realtime_preemption_patched"
-_RESUMES_1D: Final = "_vllm_realtime_resumes"
 
 
 def _reset_resumed(runner: Any, scheduler_output: Any) -> None:
@@ -44,7 +43,7 @@ def _reset_resumed(runner: Any, scheduler_output: Any) -> None:
         if runner.uses_mrope:
             reset_after_preemption(runner, req_state)
         else:
-            setattr(req_state, _RESUMES_1D, int(getattr(req_state, _RESUMES_1D, 0)) + 1)
+            note_resume(req_state)
 
 
 def _patch_runner(module: ModuleType) -> None:
