@@ -1,12 +1,17 @@
 """Capacity: how many bounded sessions one engine admits, against how many physically fit.
 
     .venv/bin/python -m bench.capacity --chunks 100 --json docs/bench/capacity.json
+    .venv/bin/python -m bench.capacity --model tiny-qwen2-vl --chunks 100 \
+        --json docs/bench/capacity-video.json
 
 Through the real server (uvicorn on loopback, WebSocket clients, real vLLM; SmolLM2-135M,
 max_model_len 2048, the server's default KV size): open bounded text sessions with one budget
 until `capacity_exceeded`, then run all admitted sessions at once for `--chunks` chunks each,
 every chunk at the largest size the server allows (limits.max_chunk_tokens, template
-included) and every reply up to max_tokens. Reported:
+included) and every reply up to max_tokens. On the video model (tiny-qwen2-vl) the sessions
+are video sessions that cap their own chunks (session.open.limits: `--frame-text-tokens`, one
+image per frame), and every frame is an image larger than the processor's max pixels (the
+most image tokens a frame can be) with a prompt filling the text cap. Reported:
 
 * admitted: sessions the new admission (realtime/admission.py) let in, and what the old rule
   (ceil(max_model_len / block) + 1 per session) admits on the same pool;
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import io
 import json
 import math
 import time
@@ -39,14 +46,18 @@ async def _recv(ws: Any) -> dict[str, Any]:
     return dict(json.loads(await ws.recv()))
 
 
-def _max_size_text(hub: Any, cap: int) -> str:
-    """A text turn whose rendered chunk (template included) is as close to the cap as fits."""
+def _max_size_text(hub: Any, cap: int, video: bool = False) -> str:
+    """A turn text (or frame prompt) whose rendered chunk, template included, is as close to
+    the cap as fits."""
     words = ["river", "mill", "boat", "stone", "light", "field", "bridge", "cloud"]
+    media = "<|vision_start|><|image_pad|><|vision_end|>" if video else ""
     text = ""
     i = 0
     while True:
         candidate = (text + " " + words[i % len(words)]).strip()
-        rendered = f"<|im_end|>\n<|im_start|>user\n{candidate}<|im_end|>\n<|im_start|>assistant\n"
+        rendered = (
+            f"<|im_end|>\n<|im_start|>user\n{media}{candidate}<|im_end|>\n<|im_start|>assistant\n"
+        )
         if hub.count_tokens(rendered) > cap:
             return text
         text = candidate
@@ -59,24 +70,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from realtime.engine import EngineSettings
     from retention.vllm_adapter.introspect import kv_stats, retention_state
 
+    video = args.model != "smollm2-135m-instruct"
     settings = EngineSettings(
-        model="smollm2-135m-instruct",
+        model=args.model,
         max_model_len=2048,
         dtype="float32",
         max_num_seqs=256,
         block_size=args.block_size,
     )
-    async with serve(settings, "smollm2-135m-instruct", max_sessions=1000) as srv:
+    async with serve(settings, args.model, max_sessions=1000) as srv:
         hub = srv["hub"]
         engine = srv["engine"]
         pool = hub.usable_blocks
         old_rule = math.ceil(hub.max_model_len / hub.block_size) + 1
-        config = {
+        config: dict[str, Any] = {
             "type": "session.open",
-            "modality": "text",
+            "modality": "video" if video else "text",
             "retention": _budget(args),
             "sampling": {"max_tokens": args.max_tokens, "temperature": 0.0},
         }
+        text_cap = hub.config.max_chunk_tokens
+        if video:
+            text_cap = args.frame_text_tokens
+            config["limits"] = {"max_chunk_tokens": text_cap, "max_clip_frames": 2}
         sockets: list[Any] = []
         reservation: dict[str, Any] | None = None
         refusal = ""
@@ -91,7 +107,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 break
             reservation = reply["reservation"]
             sockets.append(ws)
-        text = _max_size_text(hub, hub.config.max_chunk_tokens - 4)  # room for the turn number
+        text = _max_size_text(hub, text_cap - 4, video)  # room for the turn number
+        image = base64.b64encode(_large_image()).decode() if video else ""
         peaks = [0] * len(sockets)
         stalls = 0
         latencies: list[float] = []
@@ -100,7 +117,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             nonlocal stalls
             for n in range(args.chunks):
                 t0 = time.perf_counter()
-                await ws.send(json.dumps({"type": "frame.append", "text": f"{n} {text}"}))
+                if video:
+                    event = {"type": "frame.append", "image": image, "prompt": f"{n} {text}"}
+                else:
+                    event = {"type": "frame.append", "text": f"{n} {text}"}
+                await ws.send(json.dumps(event))
                 while True:
                     event = await asyncio.wait_for(_recv(ws), args.stall_s * 4)
                     if event["type"] == "response.done":
@@ -133,7 +154,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         physical_fit = pool // peak if peak else 0
         admitted = len(sockets)
         return {
-            "model": "smollm2-135m-instruct",
+            "model": args.model,
+            "modality": config["modality"],
+            "session_limits": config.get("limits"),
             "max_model_len": hub.max_model_len,
             "pool_blocks": pool,
             "block_size": hub.block_size,
@@ -141,10 +164,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "max_chunk_tokens": hub.config.max_chunk_tokens,
             "chunk_text_tokens": hub.count_tokens(text),
+            "frame_media_tokens": hub.media.image_tokens if video and hub.media else 0,
             "chunks_per_session": args.chunks,
             "reservation": reservation,
             "admitted": admitted,
             "admitted_old_rule": pool // old_rule,
+            "old_rule_blocks_per_session": old_rule,
             "refusal": refusal,
             "peak_blocks_per_session": peak,
             "physical_fit": physical_fit,
@@ -161,8 +186,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
+def _large_image() -> bytes:
+    """A frame past the processor's max pixels: it is resized to the most tokens an image is."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 255, (480, 640, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=80)
+    return buf.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument(
+        "--frame-text-tokens",
+        type=int,
+        default=32,
+        help="video: the sessions' limits.max_chunk_tokens (a frame's prompt, template included)",
+    )
     parser.add_argument("--chunks", type=int, default=100)
     parser.add_argument("--window", type=int, default=4, help="window_chunks of every session")
     parser.add_argument("--max-tokens", type=int, default=8)

@@ -60,6 +60,7 @@ from protocol.errors import (
 from protocol.events import (
     CLIENT_EVENT_ADAPTER,
     SERVER_EVENT_ADAPTER,
+    ChunkLimits,
     ClientEvent,
     ClientSecret,
     ClientSecretRequest,
@@ -129,6 +130,7 @@ __all__ = [
     "CapacityError",
     "CapacityExceeded",
     "ChunkInFlight",
+    "ChunkLimits",
     "ChunkTooLarge",
     "ClientEvent",
     "ClientSecret",

@@ -200,6 +200,26 @@ class ResumableConfig(_Inbound):
     )
 
 
+class ChunkLimits(_Inbound):
+    """Caps a session puts on its own chunks, at or below the server's (``limits``).
+
+    Admission reserves KV for the largest chunk a session may send; lower caps give a smaller
+    reservation, so more sessions fit. A chunk over a cap is refused with ``chunk_too_large``."""
+
+    max_chunk_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most tokens of one chunk's text (a text turn, or a frame's prompt, template "
+        "included); null: the server's limits.max_chunk_tokens.",
+    )
+    max_clip_frames: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most frames of one video clip (an image counts as one); null: the "
+        "server's limits.max_clip_frames.",
+    )
+
+
 class SessionConfig(_Inbound):
     """Settings of a session; sent in session.open and echoed, resolved, in session.opened."""
 
@@ -225,6 +245,11 @@ class SessionConfig(_Inbound):
         default=None,
         description="Park the session for grace_s when the connection drops; null: end it.",
     )
+    limits: ChunkLimits = Field(
+        default_factory=ChunkLimits,
+        description="Caps on this session's chunks (at or below the server's): a smaller KV "
+        "reservation.",
+    )
 
 
 # --------------------------------------------------------------------------- client events
@@ -248,6 +273,7 @@ class SessionOpenEvent(SessionConfig):
             frame_format=self.frame_format,
             model=self.model,
             resumable=self.resumable,
+            limits=self.limits,
         )
 
 
@@ -377,6 +403,9 @@ class Limits(_Outbound):
     )
     max_instructions_tokens: int | None = Field(
         default=None, ge=1, description="Most tokens of session.open.instructions; null: no cap."
+    )
+    max_clip_frames: int | None = Field(
+        default=None, ge=1, description="Most frames of one video clip; null: no cap."
     )
     server_version: str = Field(description="Version of the vllm-realtime server.")
     model: str = Field(description="Name of the model this server serves.")

@@ -148,6 +148,32 @@ def max_image_tokens(processor_config: dict[str, Any]) -> int | None:
     return math.ceil(int(max_pixels) / (int(patch) * int(merge)) ** 2)
 
 
+@dataclass(frozen=True)
+class MediaBounds:
+    """Most LLM tokens a frame chunk's media can become (from the processor's max pixels)."""
+
+    image_tokens: int
+    clip_frame_tokens: int  # one temporal step of a clip (temporal_patch_size frames)
+    temporal_patch: int = 1
+
+    def clip_tokens(self, frames: int) -> int:
+        return self.clip_frame_tokens * math.ceil(frames / self.temporal_patch)
+
+    def chunk_tokens(self, max_clip_frames: int) -> int:
+        """The largest media of one chunk: an image, or a clip of at most that many frames."""
+        return max(self.image_tokens, self.clip_tokens(max_clip_frames))
+
+
+def media_bounds(processor_config: dict[str, Any]) -> MediaBounds | None:
+    image = max_image_tokens(processor_config)
+    video = processor_config.get("video_processor", processor_config)
+    per_step = max_image_tokens({"image_processor": video})
+    if image is None or per_step is None:
+        return None
+    temporal = int(video.get("temporal_patch_size", 1) or 1)
+    return MediaBounds(image_tokens=image, clip_frame_tokens=per_step, temporal_patch=temporal)
+
+
 def max_clip_tokens(processor_config: dict[str, Any], max_frames: int) -> int | None:
     """Most LLM tokens one clip of at most `max_frames` frames can become (Qwen-VL pairs
     frames in time: temporal_patch_size frames per token row)."""

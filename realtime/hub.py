@@ -43,14 +43,15 @@ from realtime import __version__
 from realtime.admission import (
     ChunkBounds,
     Footprint,
+    MediaBounds,
     bounded_footprint,
     budget_problem,
-    max_clip_tokens,
-    max_image_tokens,
+    media_bounds,
     unbounded_footprint,
 )
 from realtime.config import ServerConfig
 from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession, render_chunk
+from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
 
 log = logging.getLogger("vllm_realtime")
@@ -100,8 +101,8 @@ class SessionHub:
         self.max_position = model_max_position(engine.model_config)
         if config.retention_max_position is not None:
             self.max_position = min(self.max_position, config.retention_max_position)
-        # Tokens a frame can add beyond its text (image or clip at the processor's max pixels).
-        self.frame_tokens = _max_frame_tokens(engine.model_config) if self.multimodal else 0
+        # Tokens a frame's image or clip can add beyond its text (the processor's max pixels).
+        self.media = _media_bounds(engine.model_config) if self.multimodal else None
         self.tokenizer: Any = None
         # A paused streaming session still holds one of the engine's `max_num_seqs` request
         # slots (vLLM counts WAITING_FOR_STREAMING_REQ against it). Admitting more sessions than
@@ -146,6 +147,7 @@ class SessionHub:
             max_resume_grace_s=self.config.max_resume_grace_s,
             max_chunk_tokens=self.config.max_chunk_tokens,
             max_instructions_tokens=self.config.max_instructions_tokens,
+            max_clip_frames=MAX_CLIP_FRAMES if self.multimodal else None,
             server_version=__version__,
             model=self.model_name,
         )
@@ -171,10 +173,36 @@ class SessionHub:
             args["max_position"] = self.config.retention_max_position
         return args
 
+    def chunk_caps(self, config: SessionConfig) -> tuple[int, int]:
+        """The session's caps: tokens of a chunk's text, frames of a clip (its own
+        `limits`, at or below the server's)."""
+        text = config.limits.max_chunk_tokens or self.config.max_chunk_tokens
+        clip = config.limits.max_clip_frames or MAX_CLIP_FRAMES
+        return text, clip
+
+    def media_tokens(self, config: SessionConfig) -> int:
+        """Most tokens one frame's image or clip of this session can add."""
+        if config.modality != "video" or self.media is None:
+            return 0
+        return self.media.chunk_tokens(self.chunk_caps(config)[1])
+
     def chunk_tokens_cap(self, config: SessionConfig) -> int:
         """Most tokens one chunk of this session can be (text cap, plus a frame's tokens)."""
-        frame = self.frame_tokens if config.modality == "video" else 0
-        return self.config.max_chunk_tokens + frame
+        return self.chunk_caps(config)[0] + self.media_tokens(config)
+
+    def _check_limits(self, config: SessionConfig) -> None:
+        asked = config.limits
+        server = {
+            "max_chunk_tokens": self.config.max_chunk_tokens,
+            "max_clip_frames": MAX_CLIP_FRAMES,
+        }
+        for name, cap in server.items():
+            value = getattr(asked, name)
+            if value is not None and value > cap:
+                raise InvalidRequestError(
+                    f"session.open.limits.{name} is {value}, above the server's "
+                    f"limits.{name} ({cap})"
+                )
 
     def footprint(self, config: SessionConfig, *, instructions_tokens: int) -> Footprint:
         """The session's peak in tokens and blocks: what admission reserves for it."""
@@ -197,6 +225,7 @@ class SessionHub:
         (invalid_request, naming the numbers). Refusing by default refused every default-size
         video session on small contexts: a 16-frame clip at max pixels is 512 tokens.
         """
+        self._check_limits(config)
         fp = self.footprint(config, instructions_tokens=instructions_tokens)
         if self.retention_args(config) is None:
             return fp, False
@@ -320,23 +349,32 @@ class SessionHub:
         """Refuse a chunk larger than admission assumed, or one the context cannot take.
 
         The prompt text (template, turn text, frame prompt) is tokenized exactly; a frame's
-        image or clip adds at most `frame_tokens` (the processor's max pixels)."""
+        image or clip adds at most what the processor's max pixels give, a clip no more frames
+        than the session's cap."""
         config = record.protocol.config
         assert config is not None
         text_tokens = self.count_tokens(prompt["prompt"])
         if record.engine_session.chunks == 0:
             text_tokens -= record.instructions_tokens  # counted at open, pinned
-        cap = self.config.max_chunk_tokens
+        cap, clip_cap = self.chunk_caps(config)
         if text_tokens > cap:
             raise ChunkTooLarge(
                 f"this chunk's text is {text_tokens} tokens; at most {cap} "
                 "(limits.max_chunk_tokens). It was not run; send it in smaller pieces"
             )
+        clip = prompt.get("multi_modal_data", {}).get("video")
+        if clip is not None and self.media is not None:
+            frames = int(clip.shape[0])
+            if self.media.clip_tokens(frames) > self.media.chunk_tokens(clip_cap):
+                raise ChunkTooLarge(
+                    f"this clip has {frames} frames; at most {clip_cap} "
+                    "(limits.max_clip_frames). It was not run; send shorter clips"
+                )
         if self.retention_args(config) is not None:
             # Bounded: the engine checks what the session holds after this fold's eviction
             # (a budget chosen by the client was also checked to fit at open).
             return
-        chunk = text_tokens + (self.frame_tokens if frame.kind != "text" else 0)
+        chunk = text_tokens + (self.media_tokens(config) if frame.kind != "text" else 0)
         need = record.engine_session.context_tokens + chunk + config.sampling.max_tokens
         if need > self.max_model_len:
             raise ContextExceeded(
@@ -460,13 +498,11 @@ class SessionHub:
             )
 
 
-def _max_frame_tokens(model_config: Any) -> int:
+def _media_bounds(model_config: Any) -> MediaBounds:
     """Most tokens an image or clip becomes, from the model's processor config (Qwen-VL style:
-    max pixels, patch and merge size); a large default when the config says nothing."""
+    max pixels, patch and merge size); large defaults when the config says nothing."""
     import json
     from pathlib import Path
-
-    from realtime.media import MAX_CLIP_FRAMES
 
     config: dict[str, Any] = {}
     for name in ("processor_config.json", "preprocessor_config.json"):
@@ -474,7 +510,4 @@ def _max_frame_tokens(model_config: Any) -> int:
         if path.is_file():
             config = json.loads(path.read_text())
             break
-    image = max_image_tokens(config)
-    clip = max_clip_tokens(config, MAX_CLIP_FRAMES)
-    found = [n for n in (image, clip) if n is not None]
-    return max(found) if found else 1024
+    return media_bounds(config) or MediaBounds(image_tokens=1024, clip_frame_tokens=1024)

@@ -21,6 +21,7 @@ from realtime.admission import (
     budget_problem,
     max_clip_tokens,
     max_image_tokens,
+    media_bounds,
 )
 from retention.policy import (
     RetentionBudget,
@@ -128,3 +129,10 @@ def test_frame_tokens_from_the_processor_config() -> None:
     assert max_clip_tokens(config, 16) == 8 * 64
     assert max_clip_tokens(config, 3) == 2 * 64
     assert max_image_tokens({}) is None
+    bounds = media_bounds(config)
+    assert bounds is not None
+    # One image, or a clip of at most that many frames (frames pair up in time).
+    assert bounds.chunk_tokens(1) == bounds.chunk_tokens(2) == 64
+    assert bounds.chunk_tokens(16) == 8 * 64
+    assert bounds.clip_tokens(3) == 2 * 64
+    assert media_bounds({}) is None

@@ -377,3 +377,49 @@ async def test_budget_that_cannot_fit_is_refused_with_its_numbers(vlm_engine: An
                 else:
                     assert reply["type"] == "session.opened", reply
                     assert reply["reservation"]["bounded"] is False
+
+
+async def test_session_limits_shrink_the_reservation_and_are_enforced(
+    server: RunningServer,
+) -> None:
+    """A session that caps its own chunks (session.open.limits) reserves less KV, and a chunk
+    over its caps is refused with chunk_too_large (the session goes on)."""
+    from tests.reliability.fuzzcore import _clip
+
+    hub = server.hub
+    small = {"max_chunk_tokens": 32, "max_clip_frames": 2}
+    config = {
+        "retention": {"sink_chunks": 1, "window_chunks": 4},
+        "sampling": {"max_tokens": 4},
+    }
+    async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS) as ws:
+        created = await recv(ws)
+        assert created["limits"]["max_clip_frames"] == 16
+        await ws.send(
+            json.dumps({"type": "session.open", **config, "limits": {"max_chunk_tokens": 10**6}})
+        )
+        err = await recv(ws)
+        assert err["type"] == "error" and err["error"]["code"] == "invalid_request", err
+        assert "limits.max_chunk_tokens" in err["error"]["message"]
+        await ws.send(json.dumps({"type": "session.open", **config, "limits": small}))
+        opened = await recv(ws)
+        assert opened["type"] == "session.opened", opened
+        assert opened["config"]["limits"] == small
+        default = hub.reservation_blocks(SessionConfig(**config))
+        assert opened["reservation"]["bounded"]
+        assert opened["reservation"]["kv_blocks"] < default
+        await ws.send(image_event(1, prompt="What is here?"))
+        done, _ = await recv_until(ws, "response.done")
+        assert done["status"] in ("completed", "incomplete"), done
+        await ws.send(image_event(2, prompt=" ".join(["describe the light"] * 12)))
+        err, _ = await recv_until(ws, "error")
+        assert err["error"]["code"] == "chunk_too_large", err
+        assert "max_chunk_tokens" in err["error"]["message"]
+        clip = base64.b64encode(_clip("mp4", "mpeg4", frames=6, size=64)).decode()
+        await ws.send(json.dumps({"type": "frame.append", "video": clip}))
+        err, _ = await recv_until(ws, "error")
+        assert err["error"]["code"] == "chunk_too_large", err
+        assert "max_clip_frames" in err["error"]["message"]
+        await ws.send(image_event(3))
+        done, _ = await recv_until(ws, "response.done")
+        assert done["status"] in ("completed", "incomplete"), done
