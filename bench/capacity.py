@@ -1,8 +1,8 @@
 """Capacity: how many bounded sessions one engine admits, against how many physically fit.
 
     .venv/bin/python -m bench.capacity --chunks 100 --json docs/bench/capacity.json
-    .venv/bin/python -m bench.capacity --model tiny-qwen2-vl --chunks 100 \
-        --json docs/bench/capacity-video.json
+    .venv/bin/python -m bench.capacity --model tiny-qwen2-vl --chunks 100 --block-size 32 \
+        --pool-blocks 181 --json docs/bench/capacity-video.json
 
 Through the real server (uvicorn on loopback, WebSocket clients, real vLLM; SmolLM2-135M,
 max_model_len 2048, the server's default KV size): open bounded text sessions with one budget
@@ -78,6 +78,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=256,
         block_size=args.block_size,
     )
+    if args.pool_blocks:
+        # A pool of that many blocks (the tiny VLM's default KV size is thousands of blocks).
+        per_block = (args.block_size or 32) * _kv_bytes_per_token(args.model)
+        settings = settings.with_overrides(kv_cache_memory_bytes=args.pool_blocks * per_block)
     async with serve(settings, args.model, max_sessions=1000) as srv:
         hub = srv["hub"]
         engine = srv["engine"]
@@ -186,6 +190,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         }
 
 
+def _kv_bytes_per_token(model: str) -> int:
+    from realtime.models import model_dir
+
+    config = json.loads((Path(str(model_dir(model))) / "config.json").read_text())
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    return int(text["num_hidden_layers"] * 2 * text["num_key_value_heads"] * head_dim * 4)
+
+
 def _large_image() -> bytes:
     """A frame past the processor's max pixels: it is resized to the most tokens an image is."""
     import numpy as np
@@ -215,6 +228,12 @@ def main() -> None:
         type=int,
         default=None,
         help="KV block size (default: vLLM's for the device)",
+    )
+    parser.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=None,
+        help="size the KV pool to this many blocks (fp32); default: vLLM's default KV size",
     )
     parser.add_argument("--stall-s", type=float, default=120.0)
     parser.add_argument("--json", type=Path, default=None)
