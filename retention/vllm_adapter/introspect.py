@@ -240,42 +240,11 @@ def _retention_state(core: Any, external_id: str) -> dict[str, Any] | None:
     return state
 
 
-SESSION_SUMMARY_METHOD = "vllm_realtime_session_summary"
-
-
-def _session_summary(core: Any, external_id: str) -> dict[str, Any] | None:
-    """What the server reports after every frame, in one call: the blocks this session holds
-    (only its own block table is walked) and its retention counters (None without retention).
-    None if the engine has no such request."""
-    scheduler = core.scheduler
-    found = _find_request(scheduler, external_id)
-    if found is None:
-        return None
-    internal_id, request = found
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    held = sum(_blocks_held(m.req_to_blocks.get(internal_id, ())) for m in managers)
-    retention = getattr(scheduler, "retention", None)
-    counters = None
-    if retention is not None and retention.is_retention_session(internal_id):
-        counters = retention.summary(request)
-    return {"kv_blocks_held": held, "retention": counters}
-
-
 def install_retention_utilities() -> None:
     from vllm.v1.engine.core import EngineCore
 
     if not hasattr(EngineCore, RETENTION_STATE_METHOD):
         setattr(EngineCore, RETENTION_STATE_METHOD, _retention_state)
-    if not hasattr(EngineCore, SESSION_SUMMARY_METHOD):
-        setattr(EngineCore, SESSION_SUMMARY_METHOD, _session_summary)
-
-
-async def session_summary(engine: Any, external_id: str) -> dict[str, Any] | None:
-    """From the front end: one session's blocks held and retention counters, in one RPC."""
-    result: dict[str, Any] | None = await engine.engine_core.call_utility_async(
-        SESSION_SUMMARY_METHOD, external_id
-    )
-    return result
 
 
 async def retention_state(engine: Any, external_id: str) -> dict[str, Any] | None:
