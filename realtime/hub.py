@@ -80,9 +80,6 @@ class SessionRecord:
     transport: Literal["websocket", "http"] = "websocket"
     last_activity: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Tokens the engine request holds after the last turn, as the engine reports them. For a
-    # bounded session this is what the next fold is checked against, not the tokens ever sent.
-    tokens_held: int = 0
     bounded: bool = False
     # Tokens of the instructions' system turn (counted at open; pinned in the first chunk).
     instructions_tokens: int = 0
@@ -444,7 +441,6 @@ class SessionHub:
                 self.metrics.engine_errors.inc()
             error = exc
         retention = self.retention_state(record)
-        record.tokens_held = retention.tokens_retained
         total_ms = (time.perf_counter() - started) * 1e3
         if timing.total_ms is None:
             timing = Timing(total_ms=total_ms)
