@@ -1,7 +1,8 @@
-"""Drive sessions on an AsyncLLM the way realtime/engine_session.py does, and measure them.
+"""Drive sessions on an AsyncLLM through the server's own `EngineSession`, and measure them.
 
 A session is ONE streaming-input vLLM request fed one chunk at a time (the next chunk goes only
-after the previous chunk's boundary), each chunk rendered by the server's own `render_chunk`.
+after the previous chunk's boundary), each chunk rendered by the server's own `render_chunk`,
+and its state read from the `SessionReport` on the reply (no call into EngineCore per frame).
 A stateless request is a plain, non-streaming vLLM request. Latencies are measured from
 handing the chunk to vLLM to its last token (no WebSocket or JSON in between).
 """
@@ -12,14 +13,15 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from protocol import SessionConfig
+from protocol import RealtimeError, SamplingConfig, SessionConfig
 from protocol.state import Frame
-from realtime.engine_session import CONTEXT_LENGTH_EXCEEDED, render_chunk
-from retention.vllm_adapter.introspect import kv_stats, retention_state
+from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession, render_chunk
+from retention.records import SessionReport
+from retention.vllm_adapter.introspect import kv_stats
 
 # The server's default retention (protocol: sink_chunks=1, window_chunks=8), as the hub sends it.
 DEFAULT_RETENTION: dict[str, Any] = {"sink_tokens": 0, "sink_chunks": 1, "window_chunks": 8}
@@ -28,16 +30,10 @@ DEFAULT_RETENTION: dict[str, Any] = {"sink_tokens": 0, "sink_chunks": 1, "window
 class SessionEnded(Exception):
     """The engine ended the session (finished=True): context length, refusal, abort."""
 
-    def __init__(self, finish_reason: str | None, stop_reason: str) -> None:
-        super().__init__(f"{finish_reason}: {stop_reason}")
-        self.finish_reason = finish_reason
-        self.stop_reason = stop_reason
-
-    @property
-    def code(self) -> str:
-        if self.stop_reason.startswith(CONTEXT_LENGTH_EXCEEDED):
-            return CONTEXT_LENGTH_EXCEEDED
-        return self.stop_reason.split(":", 1)[0] or str(self.finish_reason)
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.stop_reason = message
 
 
 @dataclass
@@ -48,6 +44,7 @@ class ChunkResult:
     cumulative_prompt_tokens: int
     cached_tokens: int | None = None
     text: str = ""
+    report: SessionReport | None = None  # EngineCore's, on a session's chunk boundary
 
 
 @dataclass
@@ -87,67 +84,51 @@ def sampling_params(
 
 
 class StreamingSession:
-    """One long-lived streaming-input request, one chunk in flight (as EngineSession)."""
+    """One session on the server's own path (`EngineSession`): what the bench measures is what
+    the server runs, chunk boundary and session report included."""
 
-    def __init__(self, engine: Any, request_id: str, params: Any) -> None:
-        self.engine = engine
+    def __init__(
+        self, engine: Any, request_id: str, max_tokens: int, retention: dict[str, Any] | None
+    ) -> None:
         self.request_id = request_id
-        self.params = params
-        self._inputs: asyncio.Queue[Any] = asyncio.Queue()
-        self._outputs: Any = None
-        self.chunks = 0
+        self.session = EngineSession(
+            engine,
+            request_id,
+            SamplingConfig(max_tokens=max_tokens, temperature=0.0),
+            None if retention is None else dict(retention),
+            ignore_eos=True,
+        )
 
-    async def _stream(self) -> AsyncIterator[Any]:
-        while True:
-            item = await self._inputs.get()
-            if item is None:
-                return
-            yield item
+    @property
+    def chunks(self) -> int:
+        return self.session.chunks
 
     async def send(self, prompt: dict[str, Any]) -> ChunkResult:
-        from vllm.engine.protocol import StreamingInput
-
-        start = time.perf_counter()
-        self._inputs.put_nowait(StreamingInput(prompt=prompt))
-        if self._outputs is None:
-            self._outputs = self.engine.generate(
-                self._stream(), self.params, request_id=self.request_id
-            )
-        first: float | None = None
-        tokens = 0
         text: list[str] = []
-        while True:
-            try:
-                out = await self._outputs.__anext__()
-            except StopAsyncIteration:
-                raise SessionEnded(None, "stream ended") from None
-            completion = out.outputs[0] if out.outputs else None
-            if completion is not None and completion.token_ids:
-                if first is None:
-                    first = time.perf_counter()
-                tokens += len(completion.token_ids)
-                text.append(completion.text or "")
-            if out.finished:
-                stop = str(getattr(completion, "stop_reason", "") or "")
-                raise SessionEnded(getattr(completion, "finish_reason", None), stop)
-            if completion is not None and completion.finish_reason is not None:
-                self.chunks += 1
-                now = time.perf_counter()
-                return ChunkResult(
-                    latency_ms=(now - start) * 1e3,
-                    ttft_ms=None if first is None else (first - start) * 1e3,
-                    completion_tokens=tokens,
-                    cumulative_prompt_tokens=len(out.prompt_token_ids or []),
-                    text="".join(text),
-                )
+        finished: ChunkFinished | None = None
+        try:
+            async for item in self.session.run_chunk(prompt):
+                if isinstance(item, ChunkDelta):
+                    text.append(item.text)
+                else:
+                    finished = item
+        except RealtimeError as exc:
+            report = self.session.last_report
+            code = report.error if report is not None and report.error else exc.code
+            message = report.message if report is not None and report.message else exc.message
+            raise SessionEnded(code, message or "") from None
+        assert finished is not None
+        return ChunkResult(
+            latency_ms=finished.total_ms,
+            ttft_ms=finished.ttft_ms,
+            completion_tokens=finished.completion_tokens,
+            cumulative_prompt_tokens=self.session.prompt_tokens_total,
+            text="".join(text),
+            report=finished.report,
+        )
 
     async def close(self) -> None:
-        if self._outputs is not None:
-            outputs, self._outputs = self._outputs, None
-            with contextlib.suppress(Exception):
-                await outputs.aclose()
-        with contextlib.suppress(Exception):
-            await self.engine.abort(self.request_id)
+        await self.session.abort()
 
 
 async def stateless_request(
@@ -265,12 +246,6 @@ class KvPoller:
 async def session_blocks(engine: Any, request_id: str) -> int:
     stats = await kv_stats(engine)
     return int(stats["blocks_by_request"].get(request_id, 0))
-
-
-async def session_retention(engine: Any, request_id: str) -> dict[str, Any] | None:
-    with contextlib.suppress(Exception):
-        return await retention_state(engine, request_id)
-    return None
 
 
 FrameSource = Callable[[int], Frame]

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from vllm import _custom_ops as ops
 
-    from retention.vllm_adapter.introspect import malloc_info
+    from retention.vllm_adapter.diagnostics import malloc_info
 
     def in_use() -> int:
         info = malloc_info()

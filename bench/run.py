@@ -151,20 +151,16 @@ async def run_session(
         SessionEnded,
         StreamingSession,
         engine_rss,
-        sampling_params,
-        session_blocks,
-        session_retention,
     )
     from protocol import SessionConfig
     from realtime.engine_session import render_chunk
 
     config = SessionConfig(instructions=INSTRUCTIONS, modality=modality)
     rid = f"bench-{name}-{stream}-{os.urandom(3).hex()}"
-    session = StreamingSession(engine, rid, sampling_params(max_tokens, retention))
+    session = StreamingSession(engine, rid, max_tokens, retention)
     records: list[dict[str, Any]] = []
     rss: list[dict[str, Any]] = []
     ended: dict[str, Any] | None = None
-    prompt_total = completion_total = 0
     t0 = time.perf_counter()
     try:
         for i in range(n):
@@ -177,24 +173,19 @@ async def run_session(
             except SessionEnded as exc:
                 ended = {"frame": i + 1, "code": exc.code, "message": exc.stop_reason[:300]}
                 break
-            chunk_prompt = res.cumulative_prompt_tokens - prompt_total
-            prompt_total = res.cumulative_prompt_tokens
-            completion_total += res.completion_tokens
-            state = await session_retention(engine, rid) if retention is not None else None
-            if state is not None:
-                context = int(state["tokens_held"]) + chunk_prompt + res.completion_tokens - 1
-            else:
-                context = prompt_total + completion_total - session.chunks
+            report = res.report
+            assert report is not None, "a chunk boundary carries the session's report"
+            counters = report.retention
             records.append(
                 FrameRecord(
                     index=i,
                     latency_ms=res.latency_ms,
                     ttft_ms=res.ttft_ms,
                     completion_tokens=res.completion_tokens,
-                    context_tokens=context,
-                    kv_blocks=await session_blocks(engine, rid),
-                    evictions=int(state["evictions"]) if state else 0,
-                    consolidations=int(state["consolidations"]) if state else 0,
+                    context_tokens=report.tokens_in_context,
+                    kv_blocks=report.kv_blocks_held,
+                    evictions=counters.evictions if counters else 0,
+                    consolidations=counters.consolidations if counters else 0,
                     t=time.perf_counter() - t0,
                 ).as_dict()
             )

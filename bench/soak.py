@@ -182,7 +182,7 @@ async def _soak_frame(ws: Any, i: int) -> dict[str, Any]:
 async def _heap_end(
     engine: Any, local_baseline: tracemalloc.Snapshot | None, trace: bool
 ) -> dict[str, Any]:
-    from retention.vllm_adapter.introspect import heap_stats
+    from retention.vllm_adapter.diagnostics import heap_stats
 
     heap_end = await heap_stats(engine, "types")
     if trace:
@@ -199,8 +199,11 @@ async def _heap_end(
 async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     import websockets
 
-    from retention.vllm_adapter.introspect import heap_stats
+    from retention.vllm_adapter.diagnostics import DIAGNOSTICS_ENV, heap_stats
 
+    if args.heap_every or args.trace:
+        # Heap diagnostics are installed only on request, in every engine process.
+        os.environ[DIAGNOSTICS_ENV] = "1"
     settings = _engine_settings("smollm2-135m-instruct", max_num_seqs=4)
     records: list[dict[str, Any]] = []
     warm_frame = args.frames // 10
@@ -237,7 +240,7 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                         rec["rss"] = _rss(srv["processes"])
                     if args.heap_every and i % args.heap_every == 0:
                         rec["heap"] = _heap_row(await heap_stats(srv["engine"]))
-                    if i == warm_frame:
+                    if i == warm_frame and (args.heap_every or args.trace):
                         await heap_stats(srv["engine"], "steps_start")
                         types_at_warm = await heap_stats(srv["engine"], "types")
                         if args.trace:
@@ -245,7 +248,10 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                             tracemalloc.start(8)  # this process: server and soak client
                             local_baseline = tracemalloc.take_snapshot()
                     i += 1
-                if i >= args.frames or time.perf_counter() - t0 > args.max_seconds:
+                diagnostics = bool(args.heap_every or args.trace)
+                if diagnostics and (
+                    i >= args.frames or time.perf_counter() - t0 > args.max_seconds
+                ):
                     # Before the last close: the session's own state is still live here.
                     heap_end = await _heap_end(srv["engine"], local_baseline, args.trace)
                 await ws.send(json.dumps({"type": "session.close"}))

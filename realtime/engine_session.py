@@ -6,6 +6,11 @@ reply has reached its boundary (an output with a finish reason on a request that
 finished), so the producer can never get ahead of the consumer and DELTA outputs of two chunks are
 never merged. `finished=True` is terminal: it means the engine ended the request (abort, error,
 end of input), never a chunk boundary.
+
+What the session holds comes back on the reply itself: the output that closes a chunk carries
+EngineCore's `SessionReport` (retention/records.py), and an engine-side end carries one with its
+error code. vLLM's errors are mapped to protocol errors here, once (`_engine_failure`): nothing
+above this module sees a vLLM exception or parses a vLLM string.
 """
 
 from __future__ import annotations
@@ -17,12 +22,64 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import ContextExceeded, EngineError, Frame, SessionConfig
+from protocol import (
+    ContextExceeded,
+    EngineError,
+    Frame,
+    RealtimeError,
+    SamplingConfig,
+    SessionConfig,
+)
 from realtime.media import decode_clip, decode_image
 from retention.policy import REQUEST_ARGS_KEY
+from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
 
-# Prefix of the stop_reason that RetentionScheduler gives a session it ended for length.
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the session layer needs to know about the engine, read once at start-up."""
+
+    max_model_len: int
+    multimodal: bool
+    max_position: int
+    """The model's trained RoPE range (else max_model_len): the retention position limit."""
+    engine_slots: int | None
+    """The engine's `max_num_seqs`: a paused streaming session keeps its slot."""
+    model_path: str
+
+    @classmethod
+    def of(cls, engine: Any) -> EngineFacts:
+        from retention.vllm_adapter.bounded_scheduler import model_max_position
+
+        model_config = engine.model_config
+        scheduler_config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+        return cls(
+            max_model_len=int(model_config.max_model_len),
+            multimodal=bool(model_config.is_multimodal_model),
+            max_position=model_max_position(model_config),
+            engine_slots=getattr(scheduler_config, "max_num_seqs", None),
+            model_path=str(model_config.model),
+        )
+
+
+@dataclass(frozen=True)
+class KvPool:
+    """The engine's KV pool, from EngineCore (one call at start-up)."""
+
+    block_size: int
+    usable_blocks: int
+    kv_cache_groups: int
+
+
+async def kv_pool(engine: Any) -> KvPool:
+    from retention.vllm_adapter.introspect import kv_stats
+
+    stats = await kv_stats(engine)
+    return KvPool(
+        block_size=int(stats["block_size"]),
+        usable_blocks=int(stats["num_usable_blocks"]),
+        kv_cache_groups=int(stats["num_kv_cache_groups"]),
+    )
 
 
 @dataclass
@@ -37,6 +94,7 @@ class ChunkFinished:
     completion_tokens: int
     ttft_ms: float | None
     total_ms: float
+    report: SessionReport | None = None
 
 
 def render_chunk(
@@ -74,29 +132,70 @@ def render_chunk(
     return prompt
 
 
-def _is_length_refusal(exc: BaseException) -> bool:
-    """vLLM's VLLMValidationError for a prompt over max_model_len (renderers/params.py)."""
-    return type(exc).__name__ == "VLLMValidationError" and getattr(exc, "parameter", None) in (
-        "input_text",
-        "input_tokens",
-    )
+def _engine_failure(
+    exc: BaseException | None = None,
+    report: SessionReport | None = None,
+    finish_reason: str | None = None,
+) -> RealtimeError:
+    """The protocol error for a session the engine ended (or refused), decided in one place."""
+    if exc is not None:
+        from vllm.exceptions import VLLMValidationError
+
+        if isinstance(exc, VLLMValidationError) and exc.parameter in ("input_text", "input_tokens"):
+            # vLLM refuses a prompt longer than the model's context before running it. That is
+            # the client's chunk, not an engine failure: it used to surface as a fatal
+            # engine_error (found by tests/reliability: long text turns, prompts).
+            return ContextExceeded(
+                "this chunk does not fit in the model's context; send smaller chunks"
+            )
+        return EngineError(f"engine failed: {type(exc).__name__}")
+    if report is not None and report.error == CONTEXT_LENGTH_EXCEEDED:
+        return ContextExceeded(
+            "the session reached the model's context length; open a new session or enable retention"
+        )
+    why = report.error if report is not None and report.error else finish_reason
+    return EngineError(f"the engine ended this session ({why})")
 
 
 class EngineSession:
     """The engine side of one session. Not thread-safe; one chunk at a time by construction."""
 
-    def __init__(self, engine: Any, request_id: str, sampling_params: Any) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        request_id: str,
+        sampling: SamplingConfig,
+        retention: dict[str, Any] | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> None:
+        """`retention`: the engine budget (`extra_args["streaming_retention"]`), if bounded.
+        `ignore_eos`: replies always run to max_tokens (benchmarks, for comparable turns)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
         self.engine = engine
         self.request_id = request_id
         self._inputs: asyncio.Queue[object] = asyncio.Queue()
         self._outputs: AsyncIterator[Any] | None = None
-        self._sampling_params = sampling_params
-        extra = getattr(sampling_params, "extra_args", None) or {}
-        self.bounded = REQUEST_ARGS_KEY in extra
+        self._sampling_params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            ignore_eos=ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            skip_clone=False,
+        )
+        if retention is not None:
+            self._sampling_params.extra_args = {REQUEST_ARGS_KEY: retention}
+        self.bounded = retention is not None
         self.prompt_tokens_total = 0
         self.completion_tokens_total = 0
         self.chunks = 0
         self.finished = False
+        # EngineCore's report from the last chunk boundary (or the engine's end of the session).
+        self.last_report: SessionReport | None = None
 
     async def _input_stream(self) -> AsyncIterator[Any]:
         # Never ends by itself: a session ends by abort (see `abort`), not by end of input.
@@ -127,14 +226,7 @@ class EngineSession:
                 raise
             except Exception as exc:
                 self.finished = True
-                if _is_length_refusal(exc):
-                    # vLLM refuses a prompt longer than the model's context before running it.
-                    # That is the client's chunk, not an engine failure: it used to surface as a
-                    # fatal engine_error (found by tests/reliability: long text turns, prompts).
-                    raise ContextExceeded(
-                        "this chunk does not fit in the model's context; send smaller chunks"
-                    ) from None
-                raise EngineError(f"engine failed: {type(exc).__name__}") from None
+                raise _engine_failure(exc) from None
             completion_out = out.outputs[0] if out.outputs else None
             if completion_out is not None and completion_out.token_ids:
                 if first_token is None:
@@ -142,18 +234,14 @@ class EngineSession:
                 completion += len(completion_out.token_ids)
                 if completion_out.text:
                     yield ChunkDelta(completion_out.text)
+            report = SessionReport.from_wire(out.kv_transfer_params)
+            if report is not None:
+                self.last_report = report
             if out.finished:
                 # Terminal: engine-initiated abort/error or end of input, never a boundary.
                 self.finished = True
-                stop = str(getattr(completion_out, "stop_reason", "") or "")
-                if stop.startswith(CONTEXT_LENGTH_EXCEEDED):
-                    raise ContextExceeded(
-                        "the session reached the model's context length; open a new session "
-                        "or enable retention"
-                    )
-                raise EngineError(
-                    f"the engine ended this session ({getattr(completion_out, 'finish_reason', None)})"
-                )
+                finish = getattr(completion_out, "finish_reason", None)
+                raise _engine_failure(report=report, finish_reason=finish)
             if completion_out is not None and completion_out.finish_reason is not None:
                 if self.bounded:
                     # The front end keeps only this chunk's prompt for a bounded session
@@ -172,6 +260,7 @@ class EngineSession:
                     completion_tokens=completion,
                     ttft_ms=None if first_token is None else (first_token - started) * 1e3,
                     total_ms=(now - started) * 1e3,
+                    report=report,
                 )
                 return
 

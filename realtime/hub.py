@@ -12,13 +12,13 @@ model's processor.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from protocol import (
     CapacityExceeded,
@@ -32,9 +32,12 @@ from protocol import (
     RealtimeError,
     Reservation,
     ResponseDoneEvent,
+    ResponseStatus,
     ResponseTextDeltaEvent,
     RetentionState,
+    ServerCloseReason,
     SessionConfig,
+    SessionNotFound,
     SessionProtocol,
     Timing,
     Usage,
@@ -50,7 +53,14 @@ from realtime.admission import (
     unbounded_footprint,
 )
 from realtime.config import ServerConfig
-from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession, render_chunk
+from realtime.engine_session import (
+    ChunkDelta,
+    ChunkFinished,
+    EngineFacts,
+    EngineSession,
+    kv_pool,
+    render_chunk,
+)
 from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
 
@@ -68,11 +78,9 @@ class SessionRecord:
     engine_session: EngineSession
     footprint: Footprint
     owner: str | None  # API key (or None) of whoever opened it; only they may act on it
+    transport: Literal["websocket", "http"] = "websocket"
     last_activity: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    # Tokens the engine request holds after the last turn, as the engine reports them. For a
-    # bounded session this is what the next fold is checked against, not the tokens ever sent.
-    tokens_held: int = 0
     bounded: bool = False
     # Tokens of the instructions' system turn (counted at open; pinned in the first chunk).
     instructions_tokens: int = 0
@@ -80,6 +88,30 @@ class SessionRecord:
     @property
     def reserved_blocks(self) -> int:
         return self.footprint.blocks
+
+
+def key_matches(expected: str | None, given: str | None) -> bool:
+    """Whether `given` is the key `expected` (anything matches None), in constant time."""
+    if expected is None:
+        return True
+    return given is not None and hmac.compare_digest(expected.encode(), given.encode())
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """What one turn ended with: always its response.done; the error that failed it, if any."""
+
+    done: ResponseDoneEvent
+    error: RealtimeError | None = None
+
+    @property
+    def close_reason(self) -> ServerCloseReason | None:
+        """Why the session must end now (None: it goes on), the same for every transport."""
+        if isinstance(self.error, EngineError):
+            return "engine_error"
+        if self.error is not None and not self.error.session_survives:
+            return "error"
+        return None
 
 
 class SessionHub:
@@ -91,36 +123,32 @@ class SessionHub:
         self.metrics = Metrics()
         self.healthy = True
         self.engine_failure: str | None = None
-        self.max_model_len = int(engine.model_config.max_model_len)
-        self.multimodal = bool(engine.model_config.is_multimodal_model)
+        facts = EngineFacts.of(engine)
+        self.max_model_len = facts.max_model_len
+        self.multimodal = facts.multimodal
         # Set by start() from the engine's KV pool.
         self.block_size = 0
         self.usable_blocks = 0
-        from retention.vllm_adapter.bounded_scheduler import model_max_position
-
-        self.max_position = model_max_position(engine.model_config)
+        self.max_position = facts.max_position
         if config.retention_max_position is not None:
             self.max_position = min(self.max_position, config.retention_max_position)
         # Tokens a frame's image or clip can add beyond its text (the processor's max pixels).
-        self.media = _media_bounds(engine.model_config) if self.multimodal else None
+        self.media = _media_bounds(facts.model_path) if self.multimodal else None
         self.tokenizer: Any = None
         # A paused streaming session still holds one of the engine's `max_num_seqs` request
         # slots (vLLM counts WAITING_FOR_STREAMING_REQ against it). Admitting more sessions than
         # slots starves the extra ones: their first chunk waits until another session closes
         # (found by tests/reliability/test_capacity.py). Admission caps sessions at the slots.
-        scheduler_config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
-        self.engine_slots: int | None = getattr(scheduler_config, "max_num_seqs", None)
+        self.engine_slots = facts.engine_slots
 
     async def start(self) -> None:
-        from retention.vllm_adapter.introspect import kv_stats
-
-        stats = await kv_stats(self.engine)
-        if stats["num_kv_cache_groups"] != 1:
+        pool = await kv_pool(self.engine)
+        if pool.kv_cache_groups != 1:
             raise RuntimeError(
                 "hybrid KV-cache configs (more than one KV-cache group) are not supported"
             )
-        self.block_size = int(stats["block_size"])
-        self.usable_blocks = int(stats["num_usable_blocks"])
+        self.block_size = pool.block_size
+        self.usable_blocks = pool.usable_blocks
         self.tokenizer = self.engine.get_tokenizer()
         self.metrics.kv_blocks_total.set(self.usable_blocks)
         self.metrics.kv_block_size.set(self.block_size)
@@ -267,11 +295,12 @@ class SessionHub:
         return sum(r.reserved_blocks for r in self.sessions.values())
 
     async def open_session(
-        self, protocol: SessionProtocol, config: SessionConfig, owner: str | None
+        self,
+        protocol: SessionProtocol,
+        config: SessionConfig,
+        owner: str | None,
+        transport: Literal["websocket", "http"] = "websocket",
     ) -> SessionRecord:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         # Ask the engine (a cheap local flag in AsyncLLM), not only the watchdog's last verdict:
         # right after the engine died a session.open must already be refused with engine_error.
         if not await self.check_engine():
@@ -303,27 +332,45 @@ class SessionHub:
                 f"{max(free, 0)} of {self.usable_blocks} are not reserved by the "
                 f"{len(self.sessions)} open sessions; a smaller window or max_tokens needs less"
             )
-        s = config.sampling
-        params = SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            output_kind=RequestOutputKind.DELTA,
-            skip_clone=False,
+        session = EngineSession(
+            self.engine, protocol.session_id, config.sampling, self.retention_args(config)
         )
-        retention = self.retention_args(config)
-        if retention is not None:
-            params.extra_args = {"streaming_retention": retention}
-        session = EngineSession(self.engine, protocol.session_id, params)
         record = SessionRecord(
-            protocol, session, fp, owner, bounded=bounded, instructions_tokens=instructions_tokens
+            protocol,
+            session,
+            fp,
+            owner,
+            transport,
+            bounded=bounded,
+            instructions_tokens=instructions_tokens,
         )
         self.sessions[protocol.session_id] = record
         self.metrics.sessions_open.set(len(self.sessions))
         self.metrics.kv_blocks_reserved.set(self.reserved_total())
         log.info("session opened id=%s modality=%s", protocol.session_id[:12], config.modality)
         return record
+
+    def find(
+        self, session_id: str, owner: str | None, transport: Literal["websocket", "http"]
+    ) -> SessionRecord:
+        """The open session `session_id` of `transport` that `owner` may act on."""
+        record = self.sessions.get(session_id)
+        # Someone else's session answers exactly like a missing one: ids are not probeable.
+        if record is None or record.transport != transport or not key_matches(record.owner, owner):
+            raise SessionNotFound("no such session")
+        return record
+
+    def of_transport(self, transport: Literal["websocket", "http"]) -> dict[str, SessionRecord]:
+        return {sid: r for sid, r in self.sessions.items() if r.transport == transport}
+
+    def kv_blocks_held(self) -> int:
+        """Blocks the open sessions hold, as their last replies reported (no engine call)."""
+        held = 0
+        for record in self.sessions.values():
+            report = record.engine_session.last_report
+            if report is not None:
+                held += report.kv_blocks_held
+        return held
 
     def reservation(self, record: SessionRecord) -> Reservation:
         fp = record.footprint
@@ -383,9 +430,15 @@ class SessionHub:
             )
 
     async def run_turn(
-        self, record: SessionRecord, frame: Frame, *, cancelled: asyncio.Event | None = None
-    ) -> AsyncIterator[ResponseTextDeltaEvent | ResponseDoneEvent]:
-        """Run one accepted chunk; yield its deltas, then always exactly one response.done."""
+        self,
+        record: SessionRecord,
+        frame: Frame,
+        *,
+        on_delta: Callable[[ResponseTextDeltaEvent], Awaitable[None]] | None = None,
+        cancelled: asyncio.Event | None = None,
+    ) -> TurnOutcome:
+        """Run one accepted chunk: its deltas go to `on_delta` as they come; the outcome holds
+        its one response.done and the error that failed it, if any."""
         proto = record.protocol
         config = proto.config
         assert config is not None
@@ -393,11 +446,11 @@ class SessionHub:
         record.last_activity = time.monotonic()
         started = time.perf_counter()
         text_parts: list[str] = []
-        status = "completed"
+        status: ResponseStatus = "completed"
         reason: str | None = None
         usage = Usage()
         timing = Timing()
-        raise_after: RealtimeError | None = None
+        error: RealtimeError | None = None
         try:
             prompt = await asyncio.to_thread(
                 render_chunk, frame, config, first=es.chunks == 0, multimodal=self.multimodal
@@ -407,8 +460,10 @@ class SessionHub:
             async for item in es.run_chunk(prompt):
                 if isinstance(item, ChunkDelta):
                     text_parts.append(item.text)
-                    if cancelled is None or not cancelled.is_set():
-                        yield ResponseTextDeltaEvent(frame_index=frame.frame_index, delta=item.text)
+                    if on_delta is not None and (cancelled is None or not cancelled.is_set()):
+                        await on_delta(
+                            ResponseTextDeltaEvent(frame_index=frame.frame_index, delta=item.text)
+                        )
                 elif isinstance(item, ChunkFinished):
                     usage = Usage(
                         prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens
@@ -422,55 +477,41 @@ class SessionHub:
             status, reason = "failed", exc.code
             if isinstance(exc, EngineError):
                 self.metrics.engine_errors.inc()
-            raise_after = exc
-        retention = await self.retention_state(record, usage)
-        record.tokens_held = retention.tokens_retained
+            error = exc
+        retention = self.retention_state(record)
         total_ms = (time.perf_counter() - started) * 1e3
         if timing.total_ms is None:
             timing = Timing(total_ms=total_ms)
         self.metrics.frames.inc()
         self.metrics.frame_latency.observe(total_ms / 1e3)
         record.last_activity = time.monotonic()
-        yield proto.response_finished(
-            status,  # type: ignore[arg-type]
+        done = proto.response_finished(
+            status,
             text="".join(text_parts),
             status_reason=reason,
             usage=usage,
             timing=timing,
             retention=retention,
         )
-        if raise_after is not None:
-            raise raise_after
+        return TurnOutcome(done, error)
 
-    async def retention_state(self, record: SessionRecord, last_turn: Usage) -> RetentionState:
-        from retention.vllm_adapter.introspect import session_summary
-
-        sid = record.protocol.session_id
+    def retention_state(self, record: SessionRecord) -> RetentionState:
+        """The session's state for response.done, from EngineCore's last report (it rides on
+        the reply's own output: no call into EngineCore)."""
         es = record.engine_session
-        held = 0
-        state: dict[str, Any] | None = None
-        with contextlib.suppress(Exception):
-            summary = await session_summary(self.engine, sid)
-            if summary is not None:
-                held = int(summary["kv_blocks_held"])
-                state = summary["retention"]
-        if state is None:
+        report = es.last_report
+        if report is None or report.error is not None:
+            # No chunk boundary yet, or the engine ended the session (its blocks are freed).
             return RetentionState(
-                frames_retained=es.chunks,
-                tokens_retained=es.context_tokens,
-                kv_blocks_held=held,
+                frames_retained=es.chunks, tokens_retained=es.context_tokens, kv_blocks_held=0
             )
+        counters = report.retention
         return RetentionState(
-            # The chunk just answered (and its reply) is not a history segment yet: it becomes
-            # one at the next fold. It is in the cache all the same, but for the last sampled
-            # token, which the next fold computes.
-            frames_retained=int(state["chunks_retained"]) + 1,
-            frames_evicted=int(state["chunks_evicted"]),
-            tokens_retained=int(state["tokens_held"])
-            + last_turn.prompt_tokens
-            + max(0, last_turn.completion_tokens - 1),
-            kv_blocks_held=held,
-            consolidations=int(state["consolidations"]),
+            frames_retained=es.chunks if counters is None else counters.chunks_retained,
+            frames_evicted=0 if counters is None else counters.chunks_evicted,
+            tokens_retained=report.tokens_in_context,
+            kv_blocks_held=report.kv_blocks_held,
+            consolidations=0 if counters is None else counters.consolidations,
         )
 
     # -- engine failure and shutdown
@@ -498,7 +539,7 @@ class SessionHub:
             )
 
 
-def _media_bounds(model_config: Any) -> MediaBounds:
+def _media_bounds(model_path: str) -> MediaBounds:
     """Most tokens an image or clip becomes, from the model's processor config (Qwen-VL style:
     max pixels, patch and merge size); large defaults when the config says nothing."""
     import json
@@ -506,7 +547,7 @@ def _media_bounds(model_config: Any) -> MediaBounds:
 
     config: dict[str, Any] = {}
     for name in ("processor_config.json", "preprocessor_config.json"):
-        path = Path(str(model_config.model)) / name
+        path = Path(model_path) / name
         if path.is_file():
             config = json.loads(path.read_text())
             break

@@ -15,12 +15,11 @@ from typing import Any
 from vllm.v1.request import Request, StreamingUpdate
 
 from retention.policy import REQUEST_ARGS_KEY
+from retention.records import RETENTION_UNSUPPORTED, RetentionCounters
 from retention.vllm_adapter.eviction import RetentionConfigError, SessionRetention
 from retention.vllm_adapter.scheduler import RetentionScheduler
 
 logger = logging.getLogger(__name__)
-
-RETENTION_UNSUPPORTED = "retention_unsupported"
 
 
 def model_max_position(model_config: Any) -> int:
@@ -87,7 +86,7 @@ class BoundedSessionScheduler(RetentionScheduler):
         # Refuse clearly, through the same path as the other session errors.
         message = f"{RETENTION_UNSUPPORTED}: {problem}"
         logger.warning(message)
-        self._session_errors[request.request_id] = message
+        self._session_errors[request.request_id] = (RETENTION_UNSUPPORTED, message)
 
     def _update_request_as_session(self, session: Request, update: StreamingUpdate) -> None:
         if not self.retention.is_retention_session(session.request_id):
@@ -99,6 +98,19 @@ class BoundedSessionScheduler(RetentionScheduler):
         problem = self.retention.after_fold(session)
         if problem is not None:
             self._end_session_for_length(session, problem)
+
+    def _retention_counters(self, request: Request) -> RetentionCounters | None:
+        if not self.retention.is_retention_session(request.request_id):
+            return None
+        summary = self.retention.summary(request)
+        return RetentionCounters(
+            # The chunk just answered (and its reply) is not a history segment yet: it becomes
+            # one at the next fold, but it is in the cache all the same.
+            chunks_retained=int(summary["chunks_retained"]) + 1,
+            chunks_evicted=int(summary["chunks_evicted"]),
+            evictions=int(summary["evictions"]),
+            consolidations=int(summary["consolidations"]),
+        )
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)

@@ -84,108 +84,9 @@ def _worker_stats(worker: Any) -> dict[str, Any]:
     }
 
 
-HEAP_STATS_METHOD = "vllm_realtime_heap_stats"
-# Per-process diagnostic state: "mallinfo2" (bound once: a ctypes type per call would leak),
-# "trace_baseline" (the snapshot "trace_top" compares against), "step_sizes" (once counting).
-_DIAGNOSTICS: dict[str, Any] = {}
-
-
-def malloc_info() -> dict[str, int] | None:
-    """glibc's own accounting (mallinfo2): bytes in use vs held free, to tell a leak (in use
-    grows) from allocator retention (RSS grows, in use flat). None off glibc."""
-    import ctypes
-    import ctypes.util
-
-    if "mallinfo2" not in _DIAGNOSTICS:
-
-        class MallInfo2(ctypes.Structure):
-            _fields_ = [
-                (name, ctypes.c_size_t)
-                for name in (
-                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                    "fsmblks", "uordblks", "fordblks", "keepcost",
-                )
-            ]  # fmt: skip
-
-        bound: Any = None
-        try:
-            bound = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
-            bound.restype = MallInfo2
-        except (OSError, AttributeError):
-            bound = None
-        _DIAGNOSTICS["mallinfo2"] = bound
-    fn = _DIAGNOSTICS["mallinfo2"]
-    if fn is None:
-        return None
-    info = fn()
-    return {
-        "in_use": int(info.uordblks + info.hblkhd),  # live small chunks + live mmapped chunks
-        "free_in_arenas": int(info.fordblks),
-        "arena": int(info.arena),
-        "mmapped": int(info.hblkhd),
-    }
-
-
-def _count_step_sizes(runner: Any) -> None:
-    """Record every step's token count (vLLM's CPU matmuls keep state per distinct count)."""
-    sizes: set[int] = set()
-    _DIAGNOSTICS["step_sizes"] = sizes
-    original = runner.execute_model
-
-    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        sizes.add(int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
-        return original(scheduler_output, *args, **kwargs)
-
-    runner.execute_model = execute_model
-
-
-def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, Any]:
-    """Memory diagnostics of this process (EngineCore or a worker), for bench/soak.py.
-
-    "read": RSS, malloc accounting, live Python objects. "types": also the most common object
-    types. "steps_start" (worker): from now on, count the distinct step sizes. "trace_start":
-    start tracemalloc and keep a baseline (slows allocation: diagnostic runs only).
-    "trace_top": the allocation sites grown most since the baseline.
-    """
-    import gc
-    import tracemalloc
-    from collections import Counter
-
-    out: dict[str, Any] = {"rss_bytes": _rss_bytes(), "malloc": malloc_info()}
-    runner = getattr(_owner, "model_runner", None)
-    if action == "steps_start" and runner is not None and "step_sizes" not in _DIAGNOSTICS:
-        _count_step_sizes(runner)
-    if "step_sizes" in _DIAGNOSTICS:
-        out["distinct_step_sizes"] = len(_DIAGNOSTICS["step_sizes"])
-    objects = gc.get_objects()
-    out["python_objects"] = len(objects)
-    if action == "types":
-        counts = Counter(type(o).__qualname__ for o in objects)
-        out["types"] = dict(counts.most_common(top))
-    del objects
-    if action == "trace_start":
-        tracemalloc.start(8)
-        _DIAGNOSTICS["trace_baseline"] = tracemalloc.take_snapshot()
-    elif action == "trace_top" and "trace_baseline" in _DIAGNOSTICS and tracemalloc.is_tracing():
-        snapshot = tracemalloc.take_snapshot()
-        diffs = snapshot.compare_to(_DIAGNOSTICS["trace_baseline"], "traceback")
-        out["traced_bytes"] = tracemalloc.get_traced_memory()[0]
-        out["trace_top"] = [
-            {
-                "stack": [str(f) for f in d.traceback],  # outermost frame first
-                "size_diff": d.size_diff,
-                "count_diff": d.count_diff,
-            }
-            for d in diffs[:top]
-        ]
-    return out
-
-
 def _patch_worker_base(module: Any) -> None:
     if not hasattr(module.WorkerBase, WORKER_STATS_METHOD):
         setattr(module.WorkerBase, WORKER_STATS_METHOD, _worker_stats)
-    if not hasattr(module.WorkerBase, HEAP_STATS_METHOD):
-        setattr(module.WorkerBase, HEAP_STATS_METHOD, _heap_stats)
 
 
 def install_worker_utilities() -> None:
@@ -207,16 +108,7 @@ def install_engine_core_utilities() -> None:
 
     if not hasattr(EngineCore, KV_STATS_METHOD):
         setattr(EngineCore, KV_STATS_METHOD, _kv_stats)
-    if not hasattr(EngineCore, HEAP_STATS_METHOD):
-        setattr(EngineCore, HEAP_STATS_METHOD, _heap_stats)
     install_retention_utilities()
-
-
-async def heap_stats(engine: Any, action: str = "read") -> dict[str, Any]:
-    """From the front end: `_heap_stats` of the EngineCore and of each worker."""
-    core = await engine.engine_core.call_utility_async(HEAP_STATS_METHOD, action)
-    workers = await engine.collective_rpc(HEAP_STATS_METHOD, args=(action,))
-    return {"engine_core": core, "workers": workers}
 
 
 async def kv_stats(engine: Any) -> dict[str, Any]:
@@ -240,42 +132,11 @@ def _retention_state(core: Any, external_id: str) -> dict[str, Any] | None:
     return state
 
 
-SESSION_SUMMARY_METHOD = "vllm_realtime_session_summary"
-
-
-def _session_summary(core: Any, external_id: str) -> dict[str, Any] | None:
-    """What the server reports after every frame, in one call: the blocks this session holds
-    (only its own block table is walked) and its retention counters (None without retention).
-    None if the engine has no such request."""
-    scheduler = core.scheduler
-    found = _find_request(scheduler, external_id)
-    if found is None:
-        return None
-    internal_id, request = found
-    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    held = sum(_blocks_held(m.req_to_blocks.get(internal_id, ())) for m in managers)
-    retention = getattr(scheduler, "retention", None)
-    counters = None
-    if retention is not None and retention.is_retention_session(internal_id):
-        counters = retention.summary(request)
-    return {"kv_blocks_held": held, "retention": counters}
-
-
 def install_retention_utilities() -> None:
     from vllm.v1.engine.core import EngineCore
 
     if not hasattr(EngineCore, RETENTION_STATE_METHOD):
         setattr(EngineCore, RETENTION_STATE_METHOD, _retention_state)
-    if not hasattr(EngineCore, SESSION_SUMMARY_METHOD):
-        setattr(EngineCore, SESSION_SUMMARY_METHOD, _session_summary)
-
-
-async def session_summary(engine: Any, external_id: str) -> dict[str, Any] | None:
-    """From the front end: one session's blocks held and retention counters, in one RPC."""
-    result: dict[str, Any] | None = await engine.engine_core.call_utility_async(
-        SESSION_SUMMARY_METHOD, external_id
-    )
-    return result
 
 
 async def retention_state(engine: Any, external_id: str) -> dict[str, Any] | None:

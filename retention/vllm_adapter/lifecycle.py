@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import signal
 import sys
+from typing import Any
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -59,3 +60,30 @@ def install_parent_death_watch() -> bool:
     if parent.pid is not None and os.getppid() != parent.pid:
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def install_idempotent_shutdown() -> None:
+    """Make `AsyncLLM.shutdown` run once per engine (front end; idempotent).
+
+    vLLM's `AsyncLLM.__del__` calls `shutdown()` again. After the server (or a test) has shut
+    the engine down, that second call ran at interpreter teardown, with vLLM's module globals
+    already cleared, and printed a TypeError traceback at the end of every run. The wrapper
+    keeps what it needs in its closure (module globals may be None by then) and returns at
+    once for an engine that is already shut down.
+    """
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    if getattr(AsyncLLM.shutdown, "_vllm_realtime_once", False):
+        return
+    original = AsyncLLM.shutdown
+    done_attr = "_vllm_realtime_shut_down"
+
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> None:
+        if self.__dict__.get(done_attr):
+            return
+        self.__dict__[done_attr] = True
+        original(self, *args, **kwargs)
+
+    shutdown.__doc__ = original.__doc__
+    shutdown._vllm_realtime_once = True  # type: ignore[attr-defined]
+    AsyncLLM.shutdown = shutdown

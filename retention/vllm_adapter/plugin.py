@@ -27,6 +27,10 @@ def register() -> None:
     from retention.vllm_adapter.introspect import install_worker_utilities
 
     install_worker_utilities()
+    from retention.vllm_adapter.diagnostics import install_diagnostics
+
+    # Memory diagnostics only when a benchmark asks for them (VLLM_REALTIME_DIAGNOSTICS=1).
+    install_diagnostics()
     from retention.vllm_adapter.positions import install_position_offset_hooks
 
     # Worker half of 1D-RoPE retention: RoPE positions = cache index + per-request offset.
@@ -44,4 +48,8 @@ def register() -> None:
     # RetentionScheduler, selected in realtime/engine.py). It patches front-end classes, which
     # the EngineCore and worker processes import but never use.
     install_streaming_hardening()
+    from retention.vllm_adapter.lifecycle import install_idempotent_shutdown
+
+    # No AsyncLLM.__del__ traceback at exit: a shut-down engine is not shut down again.
+    install_idempotent_shutdown()
     _registered = True

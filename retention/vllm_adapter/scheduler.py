@@ -42,6 +42,12 @@ c. Late chunks never resurrect a session. Stock `add_request` adds a resumable r
    request). Chunks for a session already condemned by the length check are dropped too; its
    error output is on the way. Untagged requests, first chunks included, are vLLM's.
 
+Session reports. Every output that closes a chunk of a live session, and every error output
+above, carries one `retention.records.SessionReport` (blocks held, tokens in context, retention
+counters, error code), set at the end of `update_from_output`: the server reads the session's
+state from the reply itself instead of calling into EngineCore after it. Only outputs with a
+finish reason are looked at, so a decode step of other requests costs one attribute test each.
+
 `has_requests` also reports pending error outputs, so that EngineCore steps once more (an
 empty step) to deliver them even when nothing else runs.
 
@@ -52,7 +58,7 @@ Requests that are not streaming sessions never reach any of this: they carry no 
 from __future__ import annotations
 
 import logging
-from typing import Any, Final
+from typing import Any
 
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -60,13 +66,18 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 
+from retention.records import (
+    CONTEXT_LENGTH_EXCEEDED,
+    LATE_CHUNK_REJECTED,
+    RetentionCounters,
+    SessionErrorCode,
+    SessionReport,
+)
 from retention.vllm_adapter.streaming import CONTINUATION, stream_role
 
 logger = logging.getLogger(__name__)
 
-# Prefixes of the `stop_reason` of our ERROR outputs (the message follows ": ").
-CONTEXT_LENGTH_EXCEEDED: Final = "context_length_exceeded"
-LATE_CHUNK_REJECTED: Final = "streaming_chunk_rejected"
+__all__ = ["CONTEXT_LENGTH_EXCEEDED", "LATE_CHUNK_REJECTED", "RetentionScheduler"]
 
 
 # vLLM is imported with follow_imports=skip, so its classes are Any to mypy.
@@ -75,8 +86,9 @@ class RetentionScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # Live sessions to finish with FINISHED_ERROR after the next step: id -> message.
-        self._session_errors: dict[str, str] = {}
+        # Live sessions to finish with FINISHED_ERROR after the next step: id -> (code, message).
+        # The message (also the output's stop_reason, for plain vLLM clients) starts with the code.
+        self._session_errors: dict[str, tuple[SessionErrorCode, str]] = {}
         # Rejected chunks of unknown sessions to answer: (client index, request id, message).
         self._rejected_chunks: list[tuple[int, str, str]] = []
 
@@ -135,7 +147,7 @@ class RetentionScheduler(Scheduler):  # type: ignore[misc]
             # _enqueue_waiting_request right after this treats it as blocked, never runnable.
             session.status = RequestStatus.WAITING_FOR_STREAMING_REQ
             self.num_waiting_for_streaming_input += 1
-        self._session_errors[session.request_id] = message
+        self._session_errors[session.request_id] = (CONTEXT_LENGTH_EXCEEDED, message)
 
     # ------------------------------------------------------------------ delivery
 
@@ -148,14 +160,40 @@ class RetentionScheduler(Scheduler):  # type: ignore[misc]
         outputs: dict[int, EngineCoreOutputs] = super().update_from_output(
             scheduler_output, model_runner_output
         )
+        for eco in outputs.values():
+            for output in eco.outputs:
+                if output.finish_reason is not None and output.kv_transfer_params is None:
+                    request = self.requests.get(output.request_id)
+                    if request is not None and request.resumable:
+                        output.kv_transfer_params = self._session_report(request).to_wire()
         if self._session_errors or self._rejected_chunks:
             self._emit_streaming_errors(outputs)
         return outputs
+
+    def _session_report(self, request: Request) -> SessionReport:
+        """What a live session holds now (at its chunk boundary)."""
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        held = sum(
+            1
+            for m in managers
+            for block in m.req_to_blocks.get(request.request_id, ())
+            if not block.is_null
+        )
+        return SessionReport(
+            kv_blocks_held=held,
+            tokens_in_context=int(request.num_computed_tokens),
+            retention=self._retention_counters(request),
+        )
+
+    def _retention_counters(self, request: Request) -> RetentionCounters | None:
+        """A bounded session's counters (None here: bounded_scheduler.py has retention)."""
+        return None
 
     def _emit_streaming_errors(self, outputs: dict[int, EngineCoreOutputs]) -> None:
         errors, self._session_errors = self._session_errors, {}
         # finish_requests skips ids that ended meanwhile (e.g. aborted by the client).
         for request in self.finish_requests(list(errors), RequestStatus.FINISHED_ERROR):
+            code, message = errors[request.request_id]
             _append(
                 outputs,
                 request.client_index,
@@ -163,8 +201,9 @@ class RetentionScheduler(Scheduler):  # type: ignore[misc]
                     request_id=request.request_id,
                     new_token_ids=[],
                     finish_reason=request.get_finished_reason(),
-                    stop_reason=errors[request.request_id],
+                    stop_reason=message,
                     events=request.take_events(),
+                    kv_transfer_params=_error_report(code, message),
                     trace_headers=request.trace_headers,
                 ),
             )
@@ -178,9 +217,16 @@ class RetentionScheduler(Scheduler):  # type: ignore[misc]
                     new_token_ids=[],
                     finish_reason=FinishReason.ERROR,
                     stop_reason=message,
+                    kv_transfer_params=_error_report(LATE_CHUNK_REJECTED, message),
                 ),
                 finished_id=request_id,
             )
+
+
+def _error_report(code: SessionErrorCode, message: str) -> dict[str, Any]:
+    # The session's blocks are freed (or it never had any).
+    report = SessionReport(kv_blocks_held=0, tokens_in_context=0, error=code, message=message)
+    return report.to_wire()
 
 
 def _append(

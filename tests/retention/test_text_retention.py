@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from realtime.models import model_dir
-from retention.vllm_adapter.introspect import kv_stats, retention_state, session_summary
+from retention.records import SessionReport
+from retention.vllm_adapter.introspect import kv_stats, retention_state
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +80,8 @@ class Session:
             extra_args={"streaming_retention": budget},
         )
         self.outputs: Any = None
+        # EngineCore's report on the output that closed the last chunk.
+        self.report: SessionReport | None = None
 
     async def _stream(self) -> AsyncIterator[Any]:
         while True:
@@ -106,6 +109,7 @@ class Session:
             for entry in completion.logprobs or []:
                 logprobs.append({tok: lp.logprob for tok, lp in entry.items()})
             if completion.finish_reason is not None:
+                self.report = SessionReport.from_wire(out.kv_transfer_params)
                 return tokens, logprobs
 
     async def close(self) -> None:
@@ -221,10 +225,12 @@ async def test_plain_streaming_requests_take_no_retention_path(smollm2_engine: A
                 prompt=TokensPrompt(prompt_token_ids=list(range(100 + i, 140 + i)))
             )
 
-    async for _ in smollm2_engine.generate(chunks(), SamplingParams(max_tokens=1), request_id=rid):
+    params = SamplingParams(max_tokens=1)
+    async for out in smollm2_engine.generate(chunks(), params, request_id=rid):
         assert await retention_state(smollm2_engine, rid) is None
-        summary = await session_summary(smollm2_engine, rid)
-        assert summary is None or summary["retention"] is None
+        report = SessionReport.from_wire(out.kv_transfer_params)
+        # A boundary of a plain session reports its blocks, and no retention counters.
+        assert report is None or report.retention is None
 
 
 async def test_endurance_2000_chunks_bounded_blocks_and_no_leak(
@@ -253,12 +259,16 @@ async def test_endurance_2000_chunks_bounded_blocks_and_no_leak(
         state = await retention_state(smollm2_engine, session.request_id)
         assert state is not None and state["position_cursor"] <= 8000
         assert state["evictions"] > 100
-        # The per-frame summary the server reports agrees with the full introspection.
-        summary = await session_summary(smollm2_engine, session.request_id)
-        assert summary is not None and summary["retention"] is not None
-        assert summary["retention"] == {k: state[k] for k in summary["retention"]}
+        # The report on the last reply agrees with the full introspection (the chunk just
+        # answered counts as retained: it becomes a history segment at the next fold).
+        report = session.report
+        assert report is not None and report.retention is not None and report.error is None
+        assert report.retention.chunks_retained == state["chunks_retained"] + 1
+        assert report.retention.chunks_evicted == state["chunks_evicted"]
+        assert report.retention.evictions == state["evictions"]
+        assert report.retention.consolidations == state["consolidations"]
         held = (await kv_stats(smollm2_engine))["blocks_by_request"][session.request_id]
-        assert summary["kv_blocks_held"] == held
+        assert report.kv_blocks_held == held
     finally:
         await session.close()
     # Sinks (~4 tokens) + window of 4 tiny chunks + remnants: a handful of 32-token blocks.

@@ -1,0 +1,459 @@
+"""One WebSocket connection: a thin transport between a socket, its `SessionProtocol` and the
+session hub (realtime/hub.py), which owns the session registry and runs turns.
+
+Fail-closed: a disconnect aborts the session (its KV blocks are freed) unless it is resumable
+and parks; an engine failure closes it with an `error`; shutdown closes it cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from fastapi import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocketState
+
+from protocol import (
+    AwaitBinary,
+    CancelResponse,
+    CloseSession,
+    EngineError,
+    ErrorEvent,
+    FrameAppendEvent,
+    IdleTimeout,
+    InternalError,
+    OpenSession,
+    RateLimited,
+    RealtimeError,
+    ResponseCreatedEvent,
+    ResponseStatus,
+    ResumeSession,
+    ServerCloseReason,
+    ServerDrainingEvent,
+    ServerEvent,
+    SessionConfig,
+    SessionNotFound,
+    SessionOpenEvent,
+    SessionProtocol,
+    State,
+    SubmitFrame,
+    encode_server_event,
+    error_event,
+    parse_client_event,
+)
+from realtime.drain import Lifecycle
+from realtime.hub import SessionHub, SessionRecord
+from realtime.resumption import ResumeTokens
+
+log = logging.getLogger("vllm_realtime")
+
+
+async def _close_quietly(ws: WebSocket, code: int) -> None:
+    with contextlib.suppress(Exception):
+        await ws.close(code=code)
+
+
+class _FrameBucket:
+    """Token bucket of one connection's frame.append events (`rate` per second, `burst` deep).
+
+    Added for the reliability issue: nothing limited how fast a client could push frames (each
+    one a base64 decode, an image decode and an error or a turn); over the rate a frame gets
+    `rate_limited` and is dropped. A rate of 0 turns the limit off."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = rate
+        self.burst = max(1, burst)
+        self.tokens = float(self.burst)
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        if self.rate <= 0:
+            return True
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+class Connection:
+    """One WebSocket connection: its protocol state, its session, its turn task.
+
+    A resumable session outlives its socket: on a drop the Connection is *parked* (no socket,
+    the turn runs on, an expiry timer runs), and `session.resume` on another socket hands that
+    socket to this Connection (`take_over`), which then serves it (`serve_resumed`)."""
+
+    def __init__(
+        self,
+        ws: WebSocket,
+        hub: SessionHub,
+        owner: str | None,
+        lifecycle: Lifecycle | None = None,
+        resumable: ResumeTokens[Connection] | None = None,
+        connections: set[Connection] | None = None,
+        bound_config: SessionConfig | None = None,
+    ) -> None:
+        self.ws = ws
+        # Connected with a client secret bound to a session config: session.open opens it.
+        self.bound_config = bound_config
+        self.lifecycle = lifecycle or Lifecycle(hub.config.drain_timeout_s)
+        self.resume_tokens = resumable
+        # The server's live connections (drain walks them); a parked one stays in until closed.
+        self.connections = connections
+        self.parked = False
+        self.expiry: asyncio.Task[None] | None = None
+        # session.resume on this socket succeeded: the socket now serves that Connection.
+        self.handed_to: Connection | None = None
+        self.closing_old: asyncio.Task[None] | None = None
+        # server.draining was sent: close the session as soon as no reply is in flight.
+        self.draining = False
+        self.hub = hub
+        self.owner = owner
+        self.proto: SessionProtocol = hub.new_protocol()
+        self.record: SessionRecord | None = None
+        self.turn: asyncio.Task[None] | None = None
+        self.cancelled = asyncio.Event()
+        self.send_lock = asyncio.Lock()
+        self.closed = False
+        self.frames = _FrameBucket(hub.config.max_frames_per_s, hub.config.frame_burst)
+        # Last client event or end of a turn: the idle clock runs from whichever came last.
+        self.last_activity = time.monotonic()
+
+    async def send(self, event: ServerEvent) -> None:
+        if isinstance(event, ErrorEvent):
+            self.hub.metrics.errors.labels(event.error.code).inc()
+        if self.ws.client_state != WebSocketState.CONNECTED:
+            return
+        async with self.send_lock:
+            with contextlib.suppress(Exception):
+                await self.ws.send_text(encode_server_event(event))
+
+    async def send_error(self, exc: RealtimeError) -> None:
+        await self.send(error_event(exc))
+
+    async def run(self) -> Connection | None:
+        """Serve this socket; the Connection it was handed to by session.resume, if any (the
+        caller then goes on with `serve_resumed` of that one, on the same socket)."""
+        await self.send(self.proto.greeting())
+        if self.lifecycle.draining:
+            # Connected while the server drains: told at once, instead of a refused open.
+            await self.begin_drain(self.lifecycle.seconds_left())
+        return await self._serve(self.ws)
+
+    async def serve_resumed(self) -> Connection | None:
+        """Serve the socket `take_over` attached (session.resumed is already sent)."""
+        return await self._serve(self.ws)
+
+    async def _serve(self, ws: WebSocket) -> Connection | None:
+        # One receive stays pending across turns. The old loop computed the idle timeout once
+        # per receive, so a receive started while a turn ran waited with no timeout forever: a
+        # client that sent one frame and went quiet held its session (and KV) for good. Now
+        # the end of a turn wakes the loop and the idle clock restarts from there.
+        receiving: asyncio.Future[Any] | None = None
+        try:
+            while not self.closed:
+                if self.ws is not ws:
+                    return None  # taken over by another socket (this one was half-open)
+                if self.handed_to is not None:
+                    return self.handed_to
+                if receiving is None:
+                    receiving = asyncio.ensure_future(ws.receive())
+                turn = self.turn if self.turn is not None and not self.turn.done() else None
+                waiting: set[asyncio.Future[Any]] = (
+                    {receiving} if turn is None else {receiving, turn}
+                )
+                done, _ = await asyncio.wait(
+                    waiting, timeout=self._timeout(turn), return_when=asyncio.FIRST_COMPLETED
+                )
+                if receiving not in done:
+                    if turn is not None or self.ws is not ws:
+                        continue  # the turn ended (wait again, now with the idle clock), or
+                        # the session moved to another socket (the loop's head returns)
+                    await self.send_error(IdleTimeout("no client event within the idle timeout"))
+                    await self.finish(self.proto.server_close("idle_timeout"))
+                    return None
+                message, receiving = receiving.result(), None
+                if self.ws is not ws:
+                    return None
+                self.last_activity = time.monotonic()
+                if message["type"] == "websocket.disconnect":
+                    raise WebSocketDisconnect(message.get("code", 1000))
+                await self.handle(dict(message))
+        except WebSocketDisconnect:
+            if self.ws is not ws:
+                return None
+            if self._can_park():
+                self._park()
+                return None
+            await self.finish(self.proto.server_close("disconnect"), socket_gone=True)
+        except Exception:
+            # A server bug must still end in the documented way (internal_error, then
+            # session.closed), with the engine request freed, not as a bare 1011 close.
+            log.exception("connection failed")
+            await self.send_error(InternalError("internal server error"))
+            await self.finish(self.proto.server_close("error"))
+        finally:
+            if receiving is not None and not receiving.done():
+                receiving.cancel()
+            if self.ws is ws and not self.parked and self.handed_to is None:
+                await self.finish(self.proto.server_close("disconnect"), socket_gone=True)
+        return self.handed_to
+
+    # -- resumption (realtime/resumption.py)
+
+    def _can_park(self) -> bool:
+        config = self.proto.config
+        return (
+            config is not None
+            and config.resumable is not None
+            and self.record is not None
+            and not self.draining
+            and not self.lifecycle.draining
+            and self.proto.state in (State.IDLE, State.AWAITING_BINARY, State.AWAITING_RESPONSE)
+        )
+
+    def _park(self) -> None:
+        """The socket dropped: keep the session (engine request, KV, reservation) for its grace
+        period; a reply in flight runs on and its response.done is kept (protocol.state)."""
+        config = self.proto.config
+        assert config is not None and config.resumable is not None
+        self.proto.detach()
+        self.parked = True
+        self.hub.metrics.sessions_parked.inc()
+        grace = config.resumable.grace_s
+        self.expiry = asyncio.create_task(self._expire_after(grace))
+        log.info("session parked id=%s grace=%.1fs", self.proto.session_id[:12], grace)
+
+    async def _expire_after(self, grace: float) -> None:
+        await asyncio.sleep(grace)
+        if not self.parked or self.closed:
+            return
+        log.info("session expired id=%s", self.proto.session_id[:12])
+        self.hub.metrics.sessions_expired.inc()
+        self.expiry = None  # finish must not cancel the task it runs in
+        await self.finish(self.proto.server_close("expired"), socket_gone=True)
+
+    def _unpark(self) -> None:
+        if self.parked:
+            self.parked = False
+            self.hub.metrics.sessions_parked.dec()
+        expiry, self.expiry = self.expiry, None
+        if expiry is not None and expiry is not asyncio.current_task():
+            expiry.cancel()
+
+    async def take_over(self, ws: WebSocket) -> None:
+        """session.resume from `ws` was accepted: the session continues on that socket.
+
+        Whether it was parked or its old socket still looks open (half-open TCP: the server
+        has not seen the drop yet), the old socket is let go and never serves it again."""
+        old = self.ws
+        if not self.parked:
+            self.proto.detach()
+            if old.client_state == WebSocketState.CONNECTED:
+                # The old socket's loop sees `self.ws is not ws` and returns; close it in the
+                # background (a half-open socket's close handshake waits for its timeout).
+                self.closing_old = asyncio.create_task(_close_quietly(old, 4000))
+        self._unpark()
+        self.ws = ws
+        self.draining = False
+        self.frames = _FrameBucket(self.hub.config.max_frames_per_s, self.hub.config.frame_burst)
+        self.last_activity = time.monotonic()
+        assert self.resume_tokens is not None
+        token = self.resume_tokens.issue(self.proto.session_id, self.owner, self)
+        resumed = self.proto.resumed(token)
+        self.hub.metrics.sessions_resumed.inc()
+        log.info(
+            "session resumed id=%s next_frame=%d missed_response=%s",
+            self.proto.session_id[:12],
+            resumed.next_frame_index,
+            resumed.missed_response is not None,
+        )
+        await self.send(resumed)
+
+    def _timeout(self, turn: asyncio.Task[None] | None) -> float | None:
+        # A turn in flight is the server's business, not the client's idleness.
+        if turn is not None:
+            return None
+        return max(0.0, self.last_activity + self.hub.config.idle_timeout_s - time.monotonic())
+
+    async def handle(self, message: dict[str, Any]) -> None:
+        event_id: str | None = None
+        try:
+            if message.get("bytes") is not None:
+                action: Any = self.proto.receive_binary(message["bytes"])
+            else:
+                text = message.get("text")
+                event = parse_client_event(
+                    text if text is not None else b"", max_bytes=self.proto.limits.max_event_bytes
+                )
+                event_id = event.event_id
+                if isinstance(event, SessionOpenEvent) and self.bound_config is not None:
+                    event = SessionOpenEvent(**dict(self.bound_config), event_id=event_id)
+                if isinstance(event, FrameAppendEvent) and not self.frames.take():
+                    raise RateLimited(
+                        f"more than {self.frames.rate:g} frames per second (burst "
+                        f"{self.frames.burst}); this frame.append was dropped",
+                        event_id=event.event_id,
+                    )
+                action = self.proto.receive_client_event(event)
+        except RealtimeError as exc:
+            await self.send_error(exc)
+            if not exc.session_survives:
+                await self.finish(self.proto.server_close("error"))
+            return
+        await self.carry_out(action, event_id)
+
+    async def carry_out(self, action: Any, event_id: str | None = None) -> None:
+        if isinstance(action, OpenSession):
+            try:
+                self.lifecycle.check_admitting(event_id)
+                self.hub.ensure_text_or_video(action.config)
+                record = await self.hub.open_session(
+                    self.proto, action.config, self.owner, "websocket"
+                )
+                if self.closed:
+                    # Closed (a drain) while admission ran: nobody will ever close it.
+                    await self.hub.close_session(record)
+                    return
+                self.record = record
+                action = OpenSession(
+                    action.config,
+                    action.event.model_copy(update={"reservation": self.hub.reservation(record)}),
+                )
+                if action.config.resumable is not None and self.resume_tokens is not None:
+                    token = self.resume_tokens.issue(self.proto.session_id, self.owner, self)
+                    action = OpenSession(
+                        action.config, action.event.model_copy(update={"resume_token": token})
+                    )
+            except RealtimeError as exc:
+                # Admission errors answer the session.open: echo its event_id (they did not).
+                exc.event_id = exc.event_id or event_id
+                self.proto.open_refused()
+                await self.send_error(exc)
+                if not exc.session_survives:
+                    # A fatal refusal (engine_error: the engine is down) ends the connection
+                    # as documented for fatal errors; it used to leave it open and CONNECTED.
+                    fatal: ServerCloseReason = (
+                        "engine_error" if isinstance(exc, EngineError) else "error"
+                    )
+                    await self.finish(self.proto.server_close(fatal))
+                return
+            await self.send(action.event)
+        elif isinstance(action, AwaitBinary):
+            return
+        elif isinstance(action, SubmitFrame):
+            await self.send(action.ack)
+            self.cancelled.clear()
+            self.turn = asyncio.create_task(self._run_turn(action))
+        elif isinstance(action, CancelResponse):
+            self.cancelled.set()
+        elif isinstance(action, CloseSession):
+            await self.finish(action)
+        elif isinstance(action, ResumeSession):
+            await self._resume(action)
+
+    async def _resume(self, action: ResumeSession) -> None:
+        """session.resume on this fresh connection: hand the socket to the session's holder."""
+        try:
+            self.lifecycle.check_admitting(action.event_id)
+            if self.resume_tokens is None:
+                raise SessionNotFound("this server keeps no resumable sessions")
+            holder = self.resume_tokens.claim(
+                action.session_id, action.resume_token, self.owner, action.event_id
+            )
+            if holder.closed:  # pragma: no cover (closed sessions are forgotten at once)
+                raise SessionNotFound("no such session", event_id=action.event_id)
+        except RealtimeError as exc:
+            await self.send_error(exc)
+            if not exc.session_survives:
+                await self.finish(self.proto.server_close("error"))
+            return
+        # This connection never opened a session of its own: it ends without a word, and its
+        # socket goes on serving the resumed session.
+        self.closed = True
+        if self.connections is not None:
+            self.connections.discard(self)
+        self.handed_to = holder
+        if holder.connections is not None:
+            holder.connections.add(holder)
+        await holder.take_over(self.ws)
+
+    async def _run_turn(self, action: SubmitFrame) -> None:
+        assert self.record is not None
+        frame = action.frame
+        await self.send(
+            ResponseCreatedEvent(frame_index=frame.frame_index, frame_id=frame.frame_id)
+        )
+        try:
+            outcome = await self.hub.run_turn(
+                self.record, frame, on_delta=self.send, cancelled=self.cancelled
+            )
+            await self.send(outcome.done)
+            if outcome.error is not None:
+                await self.send_error(outcome.error)
+            if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
+                log.error("engine is down; closing session")
+            if outcome.close_reason is not None:
+                await self.finish(self.proto.server_close(outcome.close_reason))
+        except Exception:
+            # Not a protocol error: a server bug. Without this the accepted chunk never got its
+            # response.done and the task's exception went unretrieved.
+            log.exception("turn failed")
+            await self.send_error(InternalError("internal server error"))
+            await self.finish(self.proto.server_close("error"))
+        finally:
+            self.last_activity = time.monotonic()
+            if self.draining and not self.closed:
+                await self.finish(self.proto.server_close("server_shutdown"))
+
+    # -- graceful drain (realtime/drain.py)
+
+    async def begin_drain(self, seconds_left: float) -> None:
+        """The server is shutting down: say so, and close now unless a reply is in flight
+        (then `_run_turn` closes right after its response.done)."""
+        if self.closed or self.draining:
+            return
+        self.draining = True
+        await self.send(ServerDrainingEvent(seconds_left=round(seconds_left, 3)))
+        if self.turn is None or self.turn.done():
+            await self.finish(self.proto.server_close("server_shutdown"))
+
+    async def close_for_shutdown(self) -> None:
+        """The drain's deadline passed: cancel the reply in flight and close."""
+        await self.finish(self.proto.server_close("server_shutdown"))
+
+    async def finish(self, close: CloseSession | None, *, socket_gone: bool = False) -> None:
+        """Close the session once: stop the turn, free the engine request, say goodbye."""
+        if close is None and self.closed:
+            return
+        self.closed = True
+        self._unpark()
+        if self.resume_tokens is not None:
+            self.resume_tokens.forget(self.proto.session_id)
+        if self.connections is not None:
+            self.connections.discard(self)
+        turn, self.turn = self.turn, None
+        if turn is not None and not turn.done() and turn is not asyncio.current_task():
+            # Cancelling the consumer inside generate() makes vLLM abort the request.
+            self.cancelled.set()
+            turn.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await turn
+        if self.proto.in_flight is not None:
+            # An accepted chunk always gets its response.done, even when the session ends.
+            failed = close is not None and close.reason == "engine_error"
+            status: ResponseStatus = "failed" if failed else "cancelled"
+            reason = close.reason if close is not None else "disconnect"
+            await self.send(self.proto.response_finished(status, status_reason=reason))
+        if self.record is not None:
+            await self.hub.close_session(self.record)
+        if close is not None and not socket_gone:
+            await self.send(close.event)
+        if not socket_gone and self.ws.client_state == WebSocketState.CONNECTED:
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=1000)
