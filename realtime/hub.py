@@ -52,6 +52,7 @@ from realtime.admission import (
 from realtime.config import ServerConfig
 from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession, render_chunk
 from realtime.metrics import Metrics
+from realtime.structured import structured_outputs, validate_format
 
 log = logging.getLogger("vllm_realtime")
 
@@ -264,6 +265,7 @@ class SessionHub:
                 raise CapacityExceeded(
                     f"this API key holds {mine} sessions; at most {per_key} per key"
                 )
+        validate_format(config.sampling.response_format, "session.open.sampling.response_format")
         instructions_tokens = self._instructions_tokens(config)
         fp, bounded = self.admit(config, instructions_tokens=instructions_tokens)
         free = self.usable_blocks - self.reserved_total()
@@ -361,12 +363,18 @@ class SessionHub:
         timing = Timing()
         raise_after: RealtimeError | None = None
         try:
+            params = self.chunk_params(es, config, frame)
             prompt = await asyncio.to_thread(
-                render_chunk, frame, config, first=es.chunks == 0, multimodal=self.multimodal
+                render_chunk,
+                frame,
+                config,
+                first=es.chunks == 0,
+                multimodal=self.multimodal,
+                after_reply=es.turn_open,
             )
             self.check_chunk(record, frame, prompt)
             queue_ms = (time.perf_counter() - started) * 1e3
-            async for item in es.run_chunk(prompt):
+            async for item in es.run_chunk(prompt, params, reply=frame.reply):
                 if isinstance(item, ChunkDelta):
                     text_parts.append(item.text)
                     if cancelled is None or not cancelled.is_set():
@@ -376,7 +384,9 @@ class SessionHub:
                         prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens
                     )
                     timing = Timing(queue_ms=queue_ms, ttft_ms=item.ttft_ms, total_ms=item.total_ms)
-                    if item.finish_reason == "length":
+                    if not frame.reply:
+                        status = "ingested"
+                    elif item.finish_reason == "length":
                         status, reason = "incomplete", "max_tokens"
             if cancelled is not None and cancelled.is_set():
                 status, reason = "cancelled", "client_cancelled"
@@ -403,6 +413,18 @@ class SessionHub:
         )
         if raise_after is not None:
             raise raise_after
+
+    @staticmethod
+    def chunk_params(es: EngineSession, config: SessionConfig, frame: Frame) -> Any:
+        """This chunk's SamplingParams: an ingested chunk samples one (dropped) token; an answered
+        one takes its own response_format, else the session's (checked at session.open)."""
+        if not frame.reply:
+            return es.chunk_params(reply=False)
+        fmt = config.sampling.response_format
+        if frame.response_format is not None:
+            fmt = frame.response_format
+            validate_format(fmt, "frame.append.response_format")
+        return es.chunk_params(reply=True, structured_outputs=structured_outputs(fmt))
 
     async def retention_state(self, record: SessionRecord, last_turn: Usage) -> RetentionState:
         from retention.vllm_adapter.introspect import session_summary
