@@ -166,6 +166,12 @@ class RetentionConfig(_Inbound):
     window_tokens: int | None = Field(
         default=None, ge=1, description="Token cap on the sliding window; null: no cap."
     )
+    text_window_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Own token budget for questions, text turns and replies (kept apart from "
+        "the frames' window); null: text leaves with its frames.",
+    )
 
     @model_validator(mode="after")
     def _window_is_bounded(self) -> RetentionConfig:

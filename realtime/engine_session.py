@@ -19,7 +19,7 @@ from typing import Any
 
 from protocol import ContextExceeded, EngineError, Frame, SessionConfig
 from realtime.media import decode_clip, decode_image
-from retention.policy import REQUEST_ARGS_KEY
+from retention.policy import CHUNK_KIND_KEY, REQUEST_ARGS_KEY
 
 # Prefix of the stop_reason that RetentionScheduler gives a session it ended for length.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -117,10 +117,16 @@ class EngineSession:
         # sampled token is not in the context) and the next chunk must close it.
         self.turn_open = False
 
-    def chunk_params(self, *, reply: bool, structured_outputs: Any = None) -> Any:
+    def chunk_params(
+        self, *, reply: bool, structured_outputs: Any = None, kind: str | None = None
+    ) -> Any:
         """The SamplingParams of one chunk: the session's, with this chunk's grammar; an
-        ingested chunk samples one token, which the next fold drops (no phantom tokens)."""
+        ingested chunk samples one token, which the next fold drops (no phantom tokens).
+        `kind` ("text" or "frame") tells the engine's retention which budget keeps the chunk
+        (`retention.text_window_tokens`)."""
         params = self._sampling_params.clone()
+        if kind is not None:
+            params.extra_args = {**(params.extra_args or {}), CHUNK_KIND_KEY: kind}
         params.structured_outputs = structured_outputs if reply else None
         if not reply:
             params.max_tokens = 1

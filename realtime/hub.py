@@ -57,7 +57,9 @@ from realtime.structured import structured_outputs, validate_format
 log = logging.getLogger("vllm_realtime")
 
 # Retention fields a client may set; a budget built from them must fit (see SessionHub.admit).
-_BUDGET_FIELDS = frozenset({"sink_tokens", "sink_chunks", "window_chunks", "window_tokens"})
+_BUDGET_FIELDS = frozenset(
+    {"sink_tokens", "sink_chunks", "window_chunks", "window_tokens", "text_window_tokens"}
+)
 
 
 @dataclass
@@ -168,6 +170,8 @@ class SessionHub:
             args["window_chunks"] = r.window_chunks
         if r.window_tokens is not None:
             args["window_tokens"] = r.window_tokens
+        if r.text_window_tokens is not None:
+            args["text_window_tokens"] = r.text_window_tokens
         if self.config.retention_max_position is not None:
             args["max_position"] = self.config.retention_max_position
         return args
@@ -418,13 +422,14 @@ class SessionHub:
     def chunk_params(es: EngineSession, config: SessionConfig, frame: Frame) -> Any:
         """This chunk's SamplingParams: an ingested chunk samples one (dropped) token; an answered
         one takes its own response_format, else the session's (checked at session.open)."""
+        kind = "text" if frame.kind == "text" else "frame"
         if not frame.reply:
-            return es.chunk_params(reply=False)
+            return es.chunk_params(reply=False, kind=kind)
         fmt = config.sampling.response_format
         if frame.response_format is not None:
             fmt = frame.response_format
             validate_format(fmt, "frame.append.response_format")
-        return es.chunk_params(reply=True, structured_outputs=structured_outputs(fmt))
+        return es.chunk_params(reply=True, structured_outputs=structured_outputs(fmt), kind=kind)
 
     async def retention_state(self, record: SessionRecord, last_turn: Usage) -> RetentionState:
         from retention.vllm_adapter.introspect import session_summary
