@@ -19,7 +19,7 @@ from typing import Any
 
 from protocol import ContextExceeded, EngineError, Frame, SessionConfig
 from realtime.media import decode_clip, decode_image
-from retention.policy import CHUNK_KIND_KEY, REQUEST_ARGS_KEY
+from retention.policy import CHUNK_HEAD_KEY, CHUNK_KIND_KEY, REQUEST_ARGS_KEY
 
 # Prefix of the stop_reason that RetentionScheduler gives a session it ended for length.
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -37,6 +37,10 @@ class ChunkFinished:
     completion_tokens: int
     ttft_ms: float | None
     total_ms: float
+
+
+REPLY_CLOSE = "<|im_end|>\n"
+"""What a chunk after an answered one starts with: it closes the reply's assistant turn."""
 
 
 def render_chunk(
@@ -64,7 +68,7 @@ def render_chunk(
         if config.instructions:
             parts.append(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
     elif after_reply:
-        parts.append("<|im_end|>\n")
+        parts.append(REPLY_CLOSE)
     parts.append("<|im_start|>user\n")
     mm: dict[str, Any] = {}
     if frame.kind == "image":
@@ -118,15 +122,25 @@ class EngineSession:
         self.turn_open = False
 
     def chunk_params(
-        self, *, reply: bool, structured_outputs: Any = None, kind: str | None = None
+        self,
+        *,
+        reply: bool,
+        structured_outputs: Any = None,
+        kind: str | None = None,
+        head: int = 0,
     ) -> Any:
         """The SamplingParams of one chunk: the session's, with this chunk's grammar; an
         ingested chunk samples one token, which the next fold drops (no phantom tokens).
         `kind` ("text" or "frame") tells the engine's retention which budget keeps the chunk
-        (`retention.text_window_tokens`)."""
+        (`retention.text_window_tokens`); `head`: how many leading tokens close the previous
+        reply's turn (kept with that reply)."""
         params = self._sampling_params.clone()
         if kind is not None:
-            params.extra_args = {**(params.extra_args or {}), CHUNK_KIND_KEY: kind}
+            params.extra_args = {
+                **(params.extra_args or {}),
+                CHUNK_KIND_KEY: kind,
+                CHUNK_HEAD_KEY: head,
+            }
         params.structured_outputs = structured_outputs if reply else None
         if not reply:
             params.max_tokens = 1

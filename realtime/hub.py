@@ -50,7 +50,13 @@ from realtime.admission import (
     unbounded_footprint,
 )
 from realtime.config import ServerConfig
-from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession, render_chunk
+from realtime.engine_session import (
+    REPLY_CLOSE,
+    ChunkDelta,
+    ChunkFinished,
+    EngineSession,
+    render_chunk,
+)
 from realtime.metrics import Metrics
 from realtime.structured import structured_outputs, validate_format
 
@@ -106,6 +112,7 @@ class SessionHub:
         # Tokens a frame can add beyond its text (image or clip at the processor's max pixels).
         self.frame_tokens = _max_frame_tokens(engine.model_config) if self.multimodal else 0
         self.tokenizer: Any = None
+        self._reply_close_tokens: int | None = None
         # A paused streaming session still holds one of the engine's `max_num_seqs` request
         # slots (vLLM counts WAITING_FOR_STREAMING_REQ against it). Admitting more sessions than
         # slots starves the extra ones: their first chunk waits until another session closes
@@ -418,18 +425,32 @@ class SessionHub:
         if raise_after is not None:
             raise raise_after
 
-    @staticmethod
-    def chunk_params(es: EngineSession, config: SessionConfig, frame: Frame) -> Any:
+    def reply_close_tokens(self) -> int:
+        """Tokens of the turn close a chunk after an answered one starts with."""
+        if self._reply_close_tokens is None:
+            self._reply_close_tokens = (
+                len(self.tokenizer.encode(REPLY_CLOSE, add_special_tokens=False))
+                if self.tokenizer is not None
+                else 0
+            )
+        return self._reply_close_tokens
+
+    def chunk_params(self, es: EngineSession, config: SessionConfig, frame: Frame) -> Any:
         """This chunk's SamplingParams: an ingested chunk samples one (dropped) token; an answered
         one takes its own response_format, else the session's (checked at session.open)."""
-        kind = "text" if frame.kind == "text" else "frame"
+        # With retention.text_window_tokens: a question or text turn that is answered, and its
+        # reply, are text; frames and every ingested chunk (watched) follow the frame window.
+        kind = "text" if frame.kind == "text" and frame.reply else "frame"
+        head = self.reply_close_tokens() if es.turn_open else 0
         if not frame.reply:
-            return es.chunk_params(reply=False, kind=kind)
+            return es.chunk_params(reply=False, kind=kind, head=head)
         fmt = config.sampling.response_format
         if frame.response_format is not None:
             fmt = frame.response_format
             validate_format(fmt, "frame.append.response_format")
-        return es.chunk_params(reply=True, structured_outputs=structured_outputs(fmt), kind=kind)
+        return es.chunk_params(
+            reply=True, structured_outputs=structured_outputs(fmt), kind=kind, head=head
+        )
 
     async def retention_state(self, record: SessionRecord, last_turn: Usage) -> RetentionState:
         from retention.vllm_adapter.introspect import session_summary

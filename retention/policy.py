@@ -72,6 +72,7 @@ from functools import lru_cache
 from typing import Final, Literal, TypeAlias
 
 __all__ = [
+    "CHUNK_HEAD_KEY",
     "CHUNK_KIND_KEY",
     "REQUEST_ARGS_KEY",
     "SEGMENT_KINDS",
@@ -105,6 +106,10 @@ TEXT_KINDS: Final[frozenset[str]] = frozenset({"text", "reply"})
 CHUNK_KIND_KEY: Final = "streaming_chunk_kind"
 """``SamplingParams.extra_args`` key naming a chunk's kind: "text" (a question or text turn,
 kept by ``text_window_tokens``) or anything else (a frame, kept by the frame window)."""
+
+CHUNK_HEAD_KEY: Final = "streaming_chunk_head"
+"""``SamplingParams.extra_args`` key: how many leading tokens of a chunk close the previous
+reply's turn (they are kept with that reply, as text, when ``text_window_tokens`` is set)."""
 
 REQUEST_ARGS_KEY: Final = "streaming_retention"
 """Key of the budget dict in ``SamplingParams.extra_args``."""

@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from retention.policy import (
+    CHUNK_HEAD_KEY,
     CHUNK_KIND_KEY,
     REQUEST_ARGS_KEY,
     TEXT_KINDS,
@@ -100,6 +101,7 @@ class SessionRetentionState:
     # chunks came (the first `sink_chunks` are pinned, their replies with them).
     pending_kind: str = "chunk"
     pending_prompt: int = 0
+    pending_head: int = 0
     chunks: int = 0
 
 
@@ -116,6 +118,12 @@ def budget_of(sampling_params: Any) -> RetentionBudget | None:
 def chunk_kind(sampling_params: Any) -> str:
     extra = getattr(sampling_params, "extra_args", None) or {}
     return "text" if extra.get(CHUNK_KIND_KEY) == "text" else "frame"
+
+
+def chunk_head(sampling_params: Any) -> int:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    head = extra.get(CHUNK_HEAD_KEY, 0)
+    return head if isinstance(head, int) and not isinstance(head, bool) and head > 0 else 0
 
 
 def _set_offset(request: Any, offset: int) -> None:
@@ -198,6 +206,7 @@ class SessionRetention:
             max_position=limit,
             pending_kind=chunk_kind(request.sampling_params),
             pending_prompt=int(request.num_prompt_tokens),
+            pending_head=0,
         )
         _set_offset(request, 0)
         if self.uses_mrope:
@@ -229,6 +238,7 @@ class SessionRetention:
         # next fold to split it from its reply.
         state.pending_kind = chunk_kind(request.sampling_params)
         state.pending_prompt = int(request.num_tokens) - computed
+        state.pending_head = chunk_head(request.sampling_params)
         freed: list[tuple[int, int]] = []
         for plan_round in eviction_rounds(state.budget):
             plan = plan_round(history, state.budget, self.block_size, 0)
@@ -283,14 +293,19 @@ class SessionRetention:
         self, state: SessionRetentionState, history: SessionHistory, new_tokens: int
     ) -> SessionHistory:
         """The tokens computed since the last fold as segments: one "chunk" segment (the chunk
-        and its kept reply), or with a text window the chunk ("text" or "frame") and its reply
-        ("reply", a text segment) apart."""
+        and its kept reply), or with a text window the chunk's head that closes the previous
+        reply ("reply"), the chunk ("text" or "frame") and its reply ("reply") apart."""
         budget = state.budget
         if budget.text_window_tokens is None:
             return append_segment(history, "chunk", new_tokens)
         pinned = state.chunks < budget.sink_chunks
         state.chunks += 1
-        prompt = max(1, min(state.pending_prompt, new_tokens))
+        # The chunk's head closes the previous reply's turn: text, kept with that reply.
+        head = min(state.pending_head, state.pending_prompt - 1, new_tokens - 1)
+        if head > 0:
+            history = append_segment(history, "reply", head, pinned=pinned)
+            new_tokens -= head
+        prompt = max(1, min(state.pending_prompt - max(head, 0), new_tokens))
         history = append_segment(history, state.pending_kind, prompt, pinned=pinned)
         if new_tokens > prompt:
             history = append_segment(history, "reply", new_tokens - prompt, pinned=pinned)
