@@ -597,6 +597,7 @@ def _plan_class(
     low_tokens: int | None,
     high_chunks: int | None,
     low_chunks: int | None,
+    remnants_first: bool = False,
 ) -> EvictionPlan:
     """One budget's round: its members (non-sink segments with ``member``) weigh ``weight``
     tokens and ``counted`` ones count as chunks; over a high watermark, the shortest
@@ -613,6 +614,9 @@ def _plan_class(
         return EvictionPlan()
     tail_start = max(0, history.num_tokens - protected_tail_tokens)
     candidates = [seg for seg in members if seg.end <= tail_start]
+    if remnants_first:
+        # Remnants are pieces of chunks already given up: they go before any whole segment.
+        candidates.sort(key=lambda seg: (not seg.remnant, seg.start))
     taken = 0
     dropped_tokens = dropped_chunks = 0
     for seg in candidates:
@@ -623,7 +627,7 @@ def _plan_class(
             chunks_now - dropped_chunks, low_chunks
         ):
             break
-    dropped = candidates[:taken]
+    dropped = sorted(candidates[:taken], key=lambda seg: seg.start)
     ranges: list[tuple[int, int]] = []
     run_start = run_end = -1
     for seg in dropped:
@@ -673,7 +677,9 @@ def plan_text_eviction(
     protected_tail_tokens: int,
 ) -> EvictionPlan:
     """With a text window: ``text_window_tokens`` over the text segments (questions, text
-    turns, replies) and every remnant. Empty plan without a text window."""
+    turns, replies) and every remnant. Remnants (pieces of chunks already dropped, e.g. of
+    frames that shared a block with kept text) are dropped first, then text oldest first: a
+    newer remnant must not push out an older question. Empty plan without a text window."""
     if budget.text_window_tokens is None:
         return EvictionPlan()
     return _plan_class(
@@ -688,6 +694,7 @@ def plan_text_eviction(
         low_tokens=budget.low_watermark_text_tokens,
         high_chunks=None,
         low_chunks=None,
+        remnants_first=True,
     )
 
 

@@ -67,3 +67,17 @@ def test_text_window_validated() -> None:
         RetentionBudget(window_chunks=1, text_window_tokens=0)
     parsed = RetentionBudget.from_request_args({"window_chunks": 2, "text_window_tokens": 64})
     assert parsed.text_window_tokens == 64
+
+
+def test_remnants_go_before_an_older_question() -> None:
+    # A question, then frames whose eviction leaves remnants (they share blocks with the kept
+    # reply and with each other): the remnants are charged to the text budget, and must be the
+    # first to go, not the older question.
+    budget = RetentionBudget(sink_chunks=0, window_chunks=1, text_window_tokens=30)
+    h = SessionHistory.for_budget(budget)
+    h = append_segment(h, "text", 10)
+    h = append_segment(h, "reply", 4)
+    for _ in range(6):
+        h = append_segment(h, "frame", 20)
+        h = run_rounds(h, budget, 16)
+    assert kinds(h)[:2] == ["text", "reply"], [(s.kind, s.remnant) for s in h.segments]
