@@ -45,11 +45,15 @@ __all__ = [
     "FrameAppendEvent",
     "FrameFormat",
     "InputAckEvent",
+    "JsonObjectFormat",
+    "JsonSchemaFormat",
+    "JsonSchemaSpec",
     "Limits",
     "Modality",
     "ResponseCancelEvent",
     "ResponseCreatedEvent",
     "ResponseDoneEvent",
+    "ResponseFormat",
     "ResponseStatus",
     "ResponseTextDeltaEvent",
     "ResumableConfig",
@@ -66,6 +70,7 @@ __all__ = [
     "SessionOpenedEvent",
     "SessionResumeEvent",
     "SessionResumedEvent",
+    "TextFormat",
     "Timing",
     "Usage",
     "new_event_id",
@@ -74,7 +79,7 @@ __all__ = [
 
 Modality: TypeAlias = Literal["video", "text"]
 FrameFormat: TypeAlias = Literal["jpeg", "png", "webp", "auto"]
-ResponseStatus: TypeAlias = Literal["completed", "cancelled", "failed", "incomplete"]
+ResponseStatus: TypeAlias = Literal["completed", "cancelled", "failed", "incomplete", "ingested"]
 CloseReason: TypeAlias = Literal[
     "client_closed",
     "disconnect",
@@ -161,6 +166,12 @@ class RetentionConfig(_Inbound):
     window_tokens: int | None = Field(
         default=None, ge=1, description="Token cap on the sliding window; null: no cap."
     )
+    text_window_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Own token budget for questions, text turns and replies (kept apart from "
+        "the frames' window); null: text leaves with its frames.",
+    )
 
     @model_validator(mode="after")
     def _window_is_bounded(self) -> RetentionConfig:
@@ -171,6 +182,49 @@ class RetentionConfig(_Inbound):
                 "(or set enabled: false to keep everything)",
             )
         return self
+
+
+class JsonSchemaSpec(_Inbound):
+    """The ``json_schema`` of a ``json_schema`` response format (OpenAI's shape)."""
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, populate_by_name=True, serialize_by_alias=True
+    )
+
+    name: str = Field(min_length=1, max_length=64, description="Name of the schema.")
+    description: str | None = Field(default=None, description="What the schema describes.")
+    # `schema` would shadow BaseModel.schema: the attribute is schema_, the wire name "schema".
+    schema_: dict[str, object] = Field(
+        alias="schema", description="A JSON Schema (an object) every reply must validate against."
+    )
+    strict: bool | None = Field(
+        default=None, description="Accepted for OpenAI compatibility; replies are always strict."
+    )
+
+
+class JsonSchemaFormat(_Inbound):
+    """``{"type": "json_schema", "json_schema": {...}}``: replies are JSON valid against it."""
+
+    type: Literal["json_schema"] = Field(description="Response format kind.")
+    json_schema: JsonSchemaSpec = Field(description="The schema and its name.")
+
+
+class JsonObjectFormat(_Inbound):
+    """``{"type": "json_object"}``: replies are one JSON object (any keys)."""
+
+    type: Literal["json_object"] = Field(description="Response format kind.")
+
+
+class TextFormat(_Inbound):
+    """``{"type": "text"}``: free text (the default); turns a session's format off for a chunk."""
+
+    type: Literal["text"] = Field(description="Response format kind.")
+
+
+ResponseFormat: TypeAlias = Annotated[
+    JsonSchemaFormat | JsonObjectFormat | TextFormat, Field(discriminator="type")
+]
+"""How replies are constrained, in OpenAI's ``response_format`` shape."""
 
 
 class SamplingConfig(_Inbound):
@@ -187,6 +241,10 @@ class SamplingConfig(_Inbound):
     )
     seed: int | None = Field(
         default=None, description="Seed for reproducible sampling; null: random."
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="Constrain every reply (json_schema | json_object | text); null: free text.",
     )
 
 
@@ -307,6 +365,14 @@ class FrameAppendEvent(_ClientEventBase):
         max_length=MAX_EVENT_ID_CHARS,
         description="Client's label for the chunk; echoed in input.ack and response events.",
     )
+    reply: bool = Field(
+        default=True,
+        description="False: prefill the chunk only; response.done says 'ingested', no text.",
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="This chunk's reply format, overriding sampling.response_format.",
+    )
 
     @model_validator(mode="after")
     def _exactly_one_payload(self) -> FrameAppendEvent:
@@ -318,6 +384,11 @@ class FrameAppendEvent(_ClientEventBase):
                 "frame.append needs exactly one payload: 'image', 'text', 'video' "
                 "or 'binary': true (got {got})",
                 {"got": got},
+            )
+        if not self.reply and self.response_format is not None:
+            raise PydanticCustomError(
+                "format_without_reply",
+                "frame.append.response_format needs a reply; drop it or set reply: true",
             )
         return self
 
@@ -531,7 +602,8 @@ class ResponseDoneEvent(_ServerEventBase):
     frame_index: int = Field(ge=0, description="Chunk this reply answers.")
     frame_id: str | None = Field(default=None, description="Client's label for the chunk.")
     status: ResponseStatus = Field(
-        description="completed | cancelled | failed | incomplete (hit max_tokens or context)."
+        description="completed | cancelled | failed | incomplete (hit max_tokens or context) | "
+        "ingested (reply: false; nothing generated)."
     )
     status_reason: str | None = Field(
         default=None, description="Why it was not completed, when it was not."

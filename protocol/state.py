@@ -100,6 +100,7 @@ from protocol.events import (
     Limits,
     ResponseCancelEvent,
     ResponseDoneEvent,
+    ResponseFormat,
     ResponseStatus,
     RetentionState,
     SessionClosedEvent,
@@ -322,6 +323,10 @@ class Frame:
     """Per-chunk prompt, if the client sent one."""
     timestamp: float | None
     """Client capture time, if sent."""
+    reply: bool = True
+    """False: prefill only (``frame.append.reply``); the reply is 'ingested', nothing generated."""
+    response_format: ResponseFormat | None = None
+    """This chunk's reply format, overriding the session's; None: the session's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -614,9 +619,10 @@ class SessionProtocol:
     def _append(self, event: FrameAppendEvent, nxt: State) -> AwaitBinary | SubmitFrame:
         assert self.config is not None
         kind = event.payload_kind
-        text_session = self.config.modality == "text"
-        if (kind == "text") != text_session:
-            wanted = "'text'" if text_session else "'image', 'video' or 'binary': true"
+        # A video session takes text too: a question about what its window holds. A text
+        # session takes text only.
+        if kind != "text" and self.config.modality == "text":
+            wanted = "'text'"
             raise InvalidEvent(
                 f"frame.append.{kind}: a {self.config.modality} session takes {wanted} payloads",
                 event_id=event.event_id,
@@ -683,6 +689,8 @@ class SessionProtocol:
             text=event.text,
             prompt=event.prompt,
             timestamp=event.timestamp,
+            reply=event.reply,
+            response_format=event.response_format,
         )
         self.frames_total += 1
         self.in_flight = frame

@@ -85,6 +85,9 @@ def bounded_footprint(budget: dict[str, Any], bounds: ChunkBounds, block_size: i
     """
     chunk = bounds.chunk_tokens
     reply = bounds.reply_tokens
+    text_window = budget.get("text_window_tokens")
+    if text_window is not None:
+        return _split_footprint(budget, int(text_window), bounds, block_size)
     segment = chunk + reply  # a chunk and its kept reply
     first_segment = segment + bounds.instructions_tokens
     sink_chunks = int(budget.get("sink_chunks") or 0)
@@ -100,6 +103,59 @@ def bounded_footprint(budget: dict[str, Any], bounds: ChunkBounds, block_size: i
         windows.append(int(budget["window_tokens"]))
     window = min(windows) if windows else 0
     remnants = 2 * (block_size - 1)
+    in_flight = chunk + extra
+    tokens = sinks + window + remnants + in_flight + reply
+    return Footprint(
+        tokens=tokens,
+        blocks=blocks_for(tokens, block_size),
+        sinks=sinks,
+        window=window,
+        remnants=remnants,
+        chunk=in_flight,
+        reply=reply,
+    )
+
+
+def _split_footprint(
+    budget: dict[str, Any], text_window: int, bounds: ChunkBounds, block_size: int
+) -> Footprint:
+    """Peak with a text window: frames and text are kept by budgets of their own.
+
+    * sinks: the first `sink_chunks` chunks with their replies (or `sink_tokens`);
+    * frames: at most `window_chunks` frame chunks (no reply: a reply is a text segment) or
+      `window_tokens` frame tokens;
+    * text: questions, text turns, replies and every remnant, at most `text_window_tokens`
+      after the fold's text round, except what the text round cannot free: inward rounding
+      leaves at most `block_size - 1` tokens at each end of each run of dropped segments, and
+      a run ends only at a held frame or at the sinks, so the text round leaves at most
+      `2 × (block_size − 1) × (frames held + 1)` tokens besides the text it keeps;
+    * the chunk in flight and its reply.
+
+    With `window_chunks` unset the frames held are bounded by `window_tokens` (a frame is at
+    least one token), so that term is large: set `window_chunks` with a text window.
+    """
+    chunk = bounds.chunk_tokens
+    reply = bounds.reply_tokens
+    segment = chunk + reply
+    sink_chunks = int(budget.get("sink_chunks") or 0)
+    sink_tokens = int(budget.get("sink_tokens") or 0)
+    pinned = (
+        segment + bounds.instructions_tokens + (sink_chunks - 1) * segment if sink_chunks else 0
+    )
+    sinks = max(sink_tokens, pinned)
+    extra = 0 if sink_chunks else bounds.instructions_tokens
+    frame_caps: list[int] = []
+    held_frames: list[int] = []
+    if budget.get("window_chunks") is not None:
+        frame_caps.append(int(budget["window_chunks"]) * chunk + extra)
+        held_frames.append(int(budget["window_chunks"]))
+    if budget.get("window_tokens") is not None:
+        frame_caps.append(int(budget["window_tokens"]))
+        held_frames.append(int(budget["window_tokens"]))
+    frames = min(frame_caps) if frame_caps else 0
+    runs = (min(held_frames) if held_frames else 0) + 1
+    remnants = 2 * (block_size - 1) * runs
+    window = frames + text_window + extra
     in_flight = chunk + extra
     tokens = sinks + window + remnants + in_flight + reply
     return Footprint(

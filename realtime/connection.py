@@ -386,9 +386,10 @@ class Connection:
     async def _run_turn(self, action: SubmitFrame) -> None:
         assert self.record is not None
         frame = action.frame
-        await self.send(
-            ResponseCreatedEvent(frame_index=frame.frame_index, frame_id=frame.frame_id)
-        )
+        if frame.reply:  # an ingested chunk (reply: false) has no reply to announce
+            await self.send(
+                ResponseCreatedEvent(frame_index=frame.frame_index, frame_id=frame.frame_id)
+            )
         try:
             outcome = await self.hub.run_turn(
                 self.record, frame, on_delta=self.send, cancelled=self.cancelled

@@ -93,7 +93,12 @@ def build_engine_args(settings: EngineSettings) -> Any:
         mm_processor_cache_gb=0,
         async_scheduling=False,
         disable_log_stats=True,
-        scheduler_cls="retention.vllm_adapter.bounded_scheduler.BoundedSessionScheduler",
+        # BoundedSessionScheduler plus per-chunk grammars (realtime/chunk_grammar.py).
+        scheduler_cls="realtime.chunk_grammar.ChunkGrammarScheduler",
+        # Structured replies (realtime/structured.py) with xgrammar, in compact JSON: vLLM's xgrammar backend
+        # reads this engine-wide flag, not the request's; with free whitespace the tiny VLM
+        # padded every reply with newlines until max_tokens.
+        structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
     )
     if settings.kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes

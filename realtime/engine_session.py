@@ -31,7 +31,7 @@ from protocol import (
     SessionConfig,
 )
 from realtime.media import decode_clip, decode_image
-from retention.policy import REQUEST_ARGS_KEY
+from retention.policy import CHUNK_HEAD_KEY, CHUNK_KIND_KEY, REQUEST_ARGS_KEY
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
 
 
@@ -97,18 +97,36 @@ class ChunkFinished:
     report: SessionReport | None = None
 
 
+REPLY_CLOSE = "<|im_end|>\n"
+"""What a chunk after an answered one starts with: it closes the reply's assistant turn."""
+
+
 def render_chunk(
-    frame: Frame, config: SessionConfig, *, first: bool, multimodal: bool
+    frame: Frame,
+    config: SessionConfig,
+    *,
+    first: bool,
+    multimodal: bool,
+    after_reply: bool | None = None,
 ) -> dict[str, Any]:
     """The engine prompt for one chunk, in ChatML (the template of every default model and of
-    the Qwen-VL family). Continuations close the previous assistant turn first: vLLM drops the
-    last sampled token of a chunk from the cached context, so the turn is still open."""
+    the Qwen-VL family).
+
+    An answered chunk ends by opening an assistant turn; its reply fills it. vLLM drops the last
+    sampled token of a chunk from the cached context, so that turn is still open when the next
+    chunk comes, and the next chunk closes it first (`after_reply`, by default: any chunk but
+    the first). An ingested chunk (`frame.reply` false) is a user turn only, closed: the one
+    token the engine samples to end it never enters the context, so nothing is left open and
+    the next chunk starts straight with its own turn. N ingested frames and a question are
+    thus N + 1 consecutive user turns, then the assistant's."""
+    if after_reply is None:
+        after_reply = not first
     parts: list[str] = []
     if first:
         if config.instructions:
             parts.append(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
-    else:
-        parts.append("<|im_end|>\n")
+    elif after_reply:
+        parts.append(REPLY_CLOSE)
     parts.append("<|im_start|>user\n")
     mm: dict[str, Any] = {}
     if frame.kind == "image":
@@ -121,7 +139,9 @@ def render_chunk(
         parts.append(frame.text or "")
     if frame.prompt:
         parts.append(("\n" if frame.kind == "text" else "") + frame.prompt)
-    parts.append("<|im_end|>\n<|im_start|>assistant\n")
+    parts.append("<|im_end|>\n")
+    if frame.reply:
+        parts.append("<|im_start|>assistant\n")
     prompt: dict[str, Any] = {"prompt": "".join(parts)}
     if mm:
         if not multimodal:
@@ -196,20 +216,55 @@ class EngineSession:
         self.finished = False
         # EngineCore's report from the last chunk boundary (or the engine's end of the session).
         self.last_report: SessionReport | None = None
+        # Whether the last chunk was answered: its assistant turn is then still open (the last
+        # sampled token is not in the context) and the next chunk must close it.
+        self.turn_open = False
+
+    def chunk_params(
+        self,
+        *,
+        reply: bool,
+        structured_outputs: Any = None,
+        kind: str | None = None,
+        head: int = 0,
+    ) -> Any:
+        """The SamplingParams of one chunk: the session's, with this chunk's grammar; an
+        ingested chunk samples one token, which the next fold drops (no phantom tokens).
+        `kind` ("text" or "frame") tells the engine's retention which budget keeps the chunk
+        (`retention.text_window_tokens`); `head`: how many leading tokens close the previous
+        reply's turn (kept with that reply)."""
+        params = self._sampling_params.clone()
+        if kind is not None:
+            params.extra_args = {
+                **(params.extra_args or {}),
+                CHUNK_KIND_KEY: kind,
+                CHUNK_HEAD_KEY: head,
+            }
+        params.structured_outputs = structured_outputs if reply else None
+        if not reply:
+            params.max_tokens = 1
+            params.min_tokens = 0
+            params.logprobs = None
+        return params
 
     async def _input_stream(self) -> AsyncIterator[Any]:
         # Never ends by itself: a session ends by abort (see `abort`), not by end of input.
         while True:
             yield await self._inputs.get()
 
-    async def run_chunk(self, prompt: dict[str, Any]) -> AsyncIterator[ChunkDelta | ChunkFinished]:
-        """Feed one chunk and yield its deltas, then exactly one ChunkFinished."""
+    async def run_chunk(
+        self, prompt: dict[str, Any], params: Any = None, *, reply: bool = True
+    ) -> AsyncIterator[ChunkDelta | ChunkFinished]:
+        """Feed one chunk and yield its deltas, then exactly one ChunkFinished.
+
+        `params`: this chunk's SamplingParams (None: the session's). `reply=False`: an ingested
+        chunk; the token sampled to end it is neither yielded nor counted in ChunkFinished."""
         from vllm.engine.protocol import StreamingInput
 
         if self.finished:
             raise EngineError("the engine ended this session")
         started = time.perf_counter()
-        self._inputs.put_nowait(StreamingInput(prompt=prompt))
+        self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
         if self._outputs is None:
             self._outputs = self.engine.generate(
                 self._input_stream(), self._sampling_params, request_id=self.request_id
@@ -232,7 +287,7 @@ class EngineSession:
                 if first_token is None:
                     first_token = time.perf_counter()
                 completion += len(completion_out.token_ids)
-                if completion_out.text:
+                if completion_out.text and reply:
                     yield ChunkDelta(completion_out.text)
             report = SessionReport.from_wire(out.kv_transfer_params)
             if report is not None:
@@ -253,12 +308,15 @@ class EngineSession:
                 self.prompt_tokens_total += prompt_tokens
                 self.completion_tokens_total += completion
                 self.chunks += 1
+                self.turn_open = reply
                 now = time.perf_counter()
                 yield ChunkFinished(
                     finish_reason=completion_out.finish_reason,
                     prompt_tokens=prompt_tokens,
-                    completion_tokens=completion,
-                    ttft_ms=None if first_token is None else (first_token - started) * 1e3,
+                    completion_tokens=completion if reply else 0,
+                    ttft_ms=None
+                    if first_token is None or not reply
+                    else (first_token - started) * 1e3,
                     total_ms=(now - started) * 1e3,
                     report=report,
                 )

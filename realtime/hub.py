@@ -54,6 +54,7 @@ from realtime.admission import (
 )
 from realtime.config import ServerConfig
 from realtime.engine_session import (
+    REPLY_CLOSE,
     ChunkDelta,
     ChunkFinished,
     EngineFacts,
@@ -63,11 +64,14 @@ from realtime.engine_session import (
 )
 from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
+from realtime.structured import structured_outputs, validate_format
 
 log = logging.getLogger("vllm_realtime")
 
 # Retention fields a client may set; a budget built from them must fit (see SessionHub.admit).
-_BUDGET_FIELDS = frozenset({"sink_tokens", "sink_chunks", "window_chunks", "window_tokens"})
+_BUDGET_FIELDS = frozenset(
+    {"sink_tokens", "sink_chunks", "window_chunks", "window_tokens", "text_window_tokens"}
+)
 
 
 @dataclass
@@ -135,6 +139,7 @@ class SessionHub:
         # Tokens a frame's image or clip can add beyond its text (the processor's max pixels).
         self.media = _media_bounds(facts.model_path) if self.multimodal else None
         self.tokenizer: Any = None
+        self._reply_close_tokens: int | None = None
         # A paused streaming session still holds one of the engine's `max_num_seqs` request
         # slots (vLLM counts WAITING_FOR_STREAMING_REQ against it). Admitting more sessions than
         # slots starves the extra ones: their first chunk waits until another session closes
@@ -197,6 +202,8 @@ class SessionHub:
             args["window_chunks"] = r.window_chunks
         if r.window_tokens is not None:
             args["window_tokens"] = r.window_tokens
+        if r.text_window_tokens is not None:
+            args["text_window_tokens"] = r.text_window_tokens
         if self.config.retention_max_position is not None:
             args["max_position"] = self.config.retention_max_position
         return args
@@ -322,6 +329,7 @@ class SessionHub:
                 raise CapacityExceeded(
                     f"this API key holds {mine} sessions; at most {per_key} per key"
                 )
+        validate_format(config.sampling.response_format, "session.open.sampling.response_format")
         instructions_tokens = self._instructions_tokens(config)
         fp, bounded = self.admit(config, instructions_tokens=instructions_tokens)
         free = self.usable_blocks - self.reserved_total()
@@ -452,12 +460,18 @@ class SessionHub:
         timing = Timing()
         error: RealtimeError | None = None
         try:
+            params = self.chunk_params(es, config, frame)
             prompt = await asyncio.to_thread(
-                render_chunk, frame, config, first=es.chunks == 0, multimodal=self.multimodal
+                render_chunk,
+                frame,
+                config,
+                first=es.chunks == 0,
+                multimodal=self.multimodal,
+                after_reply=es.turn_open,
             )
             self.check_chunk(record, frame, prompt)
             queue_ms = (time.perf_counter() - started) * 1e3
-            async for item in es.run_chunk(prompt):
+            async for item in es.run_chunk(prompt, params, reply=frame.reply):
                 if isinstance(item, ChunkDelta):
                     text_parts.append(item.text)
                     if on_delta is not None and (cancelled is None or not cancelled.is_set()):
@@ -469,7 +483,9 @@ class SessionHub:
                         prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens
                     )
                     timing = Timing(queue_ms=queue_ms, ttft_ms=item.ttft_ms, total_ms=item.total_ms)
-                    if item.finish_reason == "length":
+                    if not frame.reply:
+                        status = "ingested"
+                    elif item.finish_reason == "length":
                         status, reason = "incomplete", "max_tokens"
             if cancelled is not None and cancelled.is_set():
                 status, reason = "cancelled", "client_cancelled"
@@ -494,6 +510,33 @@ class SessionHub:
             retention=retention,
         )
         return TurnOutcome(done, error)
+
+    def reply_close_tokens(self) -> int:
+        """Tokens of the turn close a chunk after an answered one starts with."""
+        if self._reply_close_tokens is None:
+            self._reply_close_tokens = (
+                len(self.tokenizer.encode(REPLY_CLOSE, add_special_tokens=False))
+                if self.tokenizer is not None
+                else 0
+            )
+        return self._reply_close_tokens
+
+    def chunk_params(self, es: EngineSession, config: SessionConfig, frame: Frame) -> Any:
+        """This chunk's SamplingParams: an ingested chunk samples one (dropped) token; an answered
+        one takes its own response_format, else the session's (checked at session.open)."""
+        # With retention.text_window_tokens: a question or text turn that is answered, and its
+        # reply, are text; frames and every ingested chunk (watched) follow the frame window.
+        kind = "text" if frame.kind == "text" and frame.reply else "frame"
+        head = self.reply_close_tokens() if es.turn_open else 0
+        if not frame.reply:
+            return es.chunk_params(reply=False, kind=kind, head=head)
+        fmt = config.sampling.response_format
+        if frame.response_format is not None:
+            fmt = frame.response_format
+            validate_format(fmt, "frame.append.response_format")
+        return es.chunk_params(
+            reply=True, structured_outputs=structured_outputs(fmt), kind=kind, head=head
+        )
 
     def retention_state(self, record: SessionRecord) -> RetentionState:
         """The session's state for response.done, from EngineCore's last report (it rides on

@@ -65,25 +65,32 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 from typing import Final, Literal, TypeAlias
 
 __all__ = [
+    "CHUNK_HEAD_KEY",
+    "CHUNK_KIND_KEY",
     "REQUEST_ARGS_KEY",
     "SEGMENT_KINDS",
+    "TEXT_KINDS",
     "EvictionPlan",
     "HistorySegment",
+    "PlanFn",
     "RetentionBudget",
     "SegmentKind",
     "SessionHistory",
     "append_segment",
     "apply_eviction",
     "consolidate",
+    "eviction_rounds",
     "needs_consolidation",
     "plan_eviction",
+    "plan_frame_eviction",
+    "plan_text_eviction",
     "retained_chunks",
     "retained_tokens",
 ]
@@ -93,11 +100,22 @@ SegmentKind: TypeAlias = Literal["prompt", "text", "image", "video", "reply"]
 
 SEGMENT_KINDS: Final[frozenset[str]] = frozenset({"prompt", "text", "image", "video", "reply"})
 
+TEXT_KINDS: Final[frozenset[str]] = frozenset({"text", "reply"})
+"""Kinds kept by ``text_window_tokens`` when it is set (questions, text turns, replies)."""
+
+CHUNK_KIND_KEY: Final = "streaming_chunk_kind"
+"""``SamplingParams.extra_args`` key naming a chunk's kind: "text" (a question or text turn,
+kept by ``text_window_tokens``) or anything else (a frame, kept by the frame window)."""
+
+CHUNK_HEAD_KEY: Final = "streaming_chunk_head"
+"""``SamplingParams.extra_args`` key: how many leading tokens of a chunk close the previous
+reply's turn (they are kept with that reply, as text, when ``text_window_tokens`` is set)."""
+
 REQUEST_ARGS_KEY: Final = "streaming_retention"
 """Key of the budget dict in ``SamplingParams.extra_args``."""
 
 _INT_KEYS: Final = ("sink_tokens", "sink_chunks")
-_OPTIONAL_INT_KEYS: Final = ("window_chunks", "window_tokens", "max_position")
+_OPTIONAL_INT_KEYS: Final = ("window_chunks", "window_tokens", "max_position", "text_window_tokens")
 _RATIO_KEY: Final = "low_watermark_ratio"
 _REQUEST_KEYS: Final = (*_INT_KEYS, *_OPTIONAL_INT_KEYS, _RATIO_KEY)
 
@@ -179,6 +197,7 @@ class RetentionBudget:
     window_tokens: int | None = None
     low_watermark_ratio: float = 0.75
     max_position: int | None = None
+    text_window_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -204,11 +223,11 @@ class RetentionBudget:
         if self.window_chunks is None and self.window_tokens is None:
             raise ValueError("a retention budget needs window_chunks or window_tokens (or both)")
         if self.max_position is not None:
-            needed = self.sink_tokens + (self.window_tokens or 0)
+            needed = self.sink_tokens + (self.window_tokens or 0) + (self.text_window_tokens or 0)
             if needed > self.max_position:
                 raise ValueError(
                     f"max_position {self.max_position} leaves no room: sink_tokens + "
-                    f"window_tokens = {needed}"
+                    f"window_tokens + text_window_tokens = {needed}"
                 )
         return self
 
@@ -258,6 +277,12 @@ class RetentionBudget:
         if self.window_chunks is None:
             return None
         return _scaled(self.window_chunks, self.low_watermark_ratio)
+
+    @property
+    def low_watermark_text_tokens(self) -> int | None:
+        if self.text_window_tokens is None:
+            return None
+        return _scaled(self.text_window_tokens, self.low_watermark_ratio)
 
 
 # --------------------------------------------------------------------------- history
@@ -550,6 +575,143 @@ def _describe(
         released_mm_hashes=tuple(released),
         tokens_freed=sum(b - a for a, b in ranges),
     )
+
+
+# --------------------------------------------------------------------------- two budgets
+
+
+def _is_text(seg: HistorySegment) -> bool:
+    return seg.kind in TEXT_KINDS
+
+
+def _plan_class(
+    history: SessionHistory,
+    budget: RetentionBudget,
+    block_size: int,
+    protected_tail_tokens: int,
+    *,
+    member: Callable[[HistorySegment], bool],
+    weight: Callable[[HistorySegment], int],
+    counted: Callable[[HistorySegment], bool],
+    high_tokens: int | None,
+    low_tokens: int | None,
+    high_chunks: int | None,
+    low_chunks: int | None,
+    remnants_first: bool = False,
+) -> EvictionPlan:
+    """One budget's round: its members (non-sink segments with ``member``) weigh ``weight``
+    tokens and ``counted`` ones count as chunks; over a high watermark, the shortest
+    oldest-first prefix of its candidates reaching the low watermarks (by planned tokens) is
+    dropped, coalesced into runs of adjacent dropped segments and rounded inward."""
+    if not _is_int(block_size) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if not _is_int(protected_tail_tokens) or protected_tail_tokens < 0:
+        raise ValueError(f"protected_tail_tokens must be >= 0, got {protected_tail_tokens!r}")
+    members = [seg for seg in history.segments if not _is_sink(seg, budget) and member(seg)]
+    tokens_now = sum(weight(seg) for seg in members)
+    chunks_now = sum(1 for seg in members if counted(seg))
+    if not (_over(tokens_now, high_tokens) or _over(chunks_now, high_chunks)):
+        return EvictionPlan()
+    tail_start = max(0, history.num_tokens - protected_tail_tokens)
+    candidates = [seg for seg in members if seg.end <= tail_start]
+    if remnants_first:
+        # Remnants are pieces of chunks already given up: they go before any whole segment.
+        candidates.sort(key=lambda seg: (not seg.remnant, seg.start))
+    taken = 0
+    dropped_tokens = dropped_chunks = 0
+    for seg in candidates:
+        taken += 1
+        dropped_tokens += weight(seg)
+        dropped_chunks += 1 if counted(seg) else 0
+        if not _over(tokens_now - dropped_tokens, low_tokens) and not _over(
+            chunks_now - dropped_chunks, low_chunks
+        ):
+            break
+    dropped = sorted(candidates[:taken], key=lambda seg: seg.start)
+    ranges: list[tuple[int, int]] = []
+    run_start = run_end = -1
+    for seg in dropped:
+        if seg.start == run_end:
+            run_end = seg.end
+            continue
+        if run_end > run_start >= 0:
+            aligned = _align_inward(max(run_start, budget.sink_tokens), run_end, block_size)
+            if aligned is not None:
+                ranges.append(aligned)
+        run_start, run_end = seg.start, seg.end
+    if run_end > run_start >= 0:
+        aligned = _align_inward(max(run_start, budget.sink_tokens), run_end, block_size)
+        if aligned is not None:
+            ranges.append(aligned)
+    return _describe(history, dropped, tuple(ranges))
+
+
+def plan_frame_eviction(
+    history: SessionHistory,
+    budget: RetentionBudget,
+    block_size: int,
+    protected_tail_tokens: int,
+) -> EvictionPlan:
+    """With a text window: the frame budget (``window_chunks`` / ``window_tokens``) over the
+    frame segments. Remnants (of either kind) are taken along at no cost, so that runs of
+    dropped frames coalesce across them; their tokens are charged to the text budget."""
+    return _plan_class(
+        history,
+        budget,
+        block_size,
+        protected_tail_tokens,
+        member=lambda seg: seg.remnant or not _is_text(seg),
+        weight=lambda seg: 0 if seg.remnant else seg.num_tokens,
+        counted=lambda seg: not seg.remnant,
+        high_tokens=budget.window_tokens,
+        low_tokens=budget.low_watermark_tokens,
+        high_chunks=budget.window_chunks,
+        low_chunks=budget.low_watermark_chunks,
+    )
+
+
+def plan_text_eviction(
+    history: SessionHistory,
+    budget: RetentionBudget,
+    block_size: int,
+    protected_tail_tokens: int,
+) -> EvictionPlan:
+    """With a text window: ``text_window_tokens`` over the text segments (questions, text
+    turns, replies) and every remnant. Remnants (pieces of chunks already dropped, e.g. of
+    frames that shared a block with kept text) are dropped first, then text oldest first: a
+    newer remnant must not push out an older question. Empty plan without a text window."""
+    if budget.text_window_tokens is None:
+        return EvictionPlan()
+    return _plan_class(
+        history,
+        budget,
+        block_size,
+        protected_tail_tokens,
+        member=lambda seg: seg.remnant or _is_text(seg),
+        weight=lambda seg: seg.num_tokens,
+        counted=lambda seg: False,
+        high_tokens=budget.text_window_tokens,
+        low_tokens=budget.low_watermark_text_tokens,
+        high_chunks=None,
+        low_chunks=None,
+        remnants_first=True,
+    )
+
+
+PlanFn: TypeAlias = Callable[[SessionHistory, RetentionBudget, int, int], EvictionPlan]
+
+
+def eviction_rounds(budget: RetentionBudget) -> tuple[PlanFn, ...]:
+    """The planning rounds of one fold, to run in order (apply each before planning the next).
+
+    Without a text window: one round, :func:`plan_eviction` (a reply is part of its chunk's
+    segment). With ``text_window_tokens``: frames first (:func:`plan_frame_eviction`), then
+    text and every remnant (:func:`plan_text_eviction`), so the remnants the frame round leaves
+    are charged to the text budget at once. Eviction order: within each budget, oldest first.
+    """
+    if budget.text_window_tokens is None:
+        return (plan_eviction,)
+    return (plan_frame_eviction, plan_text_eviction)
 
 
 # --------------------------------------------------------------------------- applying

@@ -8,7 +8,7 @@ export declare const AUTH_SUBPROTOCOL_PREFIX: "vllm-realtime.auth.";
 
 export type Modality = "video" | "text";
 export type FrameFormat = "jpeg" | "png" | "webp" | "auto";
-export type ResponseStatus = "completed" | "cancelled" | "failed" | "incomplete";
+export type ResponseStatus = "completed" | "cancelled" | "failed" | "incomplete" | "ingested";
 export type CloseReason =
   | "client_closed"
   | "disconnect"
@@ -32,13 +32,23 @@ export interface RetentionConfig {
   /** Most recent chunks kept; null: no chunk cap. Default 8. */
   window_chunks?: number | null;
   window_tokens?: number | null;
+  /** Own token budget for questions, text turns and replies; null: text leaves with its frames. */
+  text_window_tokens?: number | null;
 }
+
+/** OpenAI's response_format shape. */
+export type ResponseFormat =
+  | { type: "json_schema"; json_schema: { name: string; description?: string | null; schema: Record<string, unknown>; strict?: boolean | null } }
+  | { type: "json_object" }
+  | { type: "text" };
 
 export interface SamplingConfig {
   max_tokens?: number;
   temperature?: number;
   top_p?: number;
   seed?: number | null;
+  /** Constrain every reply (structured outputs); null: free text. */
+  response_format?: ResponseFormat | null;
 }
 
 /** Opt-in resumption: a dropped connection parks the session this long (capped by the server). */
@@ -275,11 +285,15 @@ export interface ChunkOptions {
   timeoutMs?: number;
   /** Called for each text delta with the text so far. */
   onDelta?: (delta: string, textSoFar: string, event: ResponseTextDeltaEvent) => void;
+  /** This reply's format, overriding the session's `sampling.response_format`. */
+  responseFormat?: ResponseFormat | null;
 }
 
 export interface FrameOptions extends ChunkOptions {
   /** true (default): a binary WebSocket message; false: base64 in the JSON event. */
   binary?: boolean;
+  /** false: watch only (prefill, no reply; response.done status "ingested"). Default true. */
+  reply?: boolean;
 }
 
 export interface ClientStats {
@@ -336,6 +350,10 @@ export declare class RealtimeClient {
   open(config?: SessionConfig): Promise<SessionOpenedEvent>;
   appendFrame(data: FrameData, options?: FrameOptions): Promise<ResponseDoneEvent>;
   appendText(text: string, options?: ChunkOptions): Promise<ResponseDoneEvent>;
+  /** Watch a frame without a reply: resolves with a response.done of status "ingested". */
+  ingestFrame(data: FrameData, options?: Omit<FrameOptions, "reply" | "responseFormat">): Promise<ResponseDoneEvent>;
+  /** Ask a question between frames; stream the answer with onDelta. */
+  ask(question: string, options?: ChunkOptions): Promise<ResponseDoneEvent>;
   /** Send if idle, else drop (counted in stats.dropped) and resolve null. */
   offerFrame(
     data: FrameData | (() => FrameData | Promise<FrameData>),

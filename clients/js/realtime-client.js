@@ -262,10 +262,28 @@ export class RealtimeClient {
     return this._startTurn(prepared.fields, prepared.bytes, options);
   }
 
-  /** Send one text turn (`"text"` sessions) and resolve with its response.done. */
+  /** Send one text turn and resolve with its response.done (in a `"video"` session: a question). */
   async appendText(text, options = {}) {
     this._checkReady();
     return this._startTurn({ ...this._frameFields(options), text }, null, options);
+  }
+
+  /**
+   * Watch one frame without a reply (`frame.append` with `reply: false`): it is prefilled into
+   * the context and resolves with a response.done of status "ingested" (empty text, no
+   * response.created, no deltas). Options as appendFrame (no responseFormat).
+   */
+  async ingestFrame(data, options = {}) {
+    return this.appendFrame(data, { ...options, reply: false, responseFormat: null });
+  }
+
+  /**
+   * Ask a question between frames (a text chunk, also in "video" sessions) and resolve with its
+   * response.done; stream the answer with `onDelta`. `responseFormat` (OpenAI's shape, e.g.
+   * `{type: "json_object"}`) constrains this answer, overriding the session's.
+   */
+  async ask(question, options = {}) {
+    return this.appendText(question, { ...options, reply: true });
   }
 
   /**
@@ -363,8 +381,10 @@ export class RealtimeClient {
     if (this.busy) throw localError("chunk_in_flight", "a chunk is already in flight; wait for its response.done");
   }
 
-  _frameFields({ prompt = null, frameId = null, timestamp = null }) {
+  _frameFields({ prompt = null, frameId = null, timestamp = null, reply = true, responseFormat = null }) {
     const fields = { type: "frame.append" };
+    if (reply === false) fields.reply = false;
+    if (responseFormat !== null && responseFormat !== undefined) fields.response_format = responseFormat;
     if (prompt !== null && prompt !== undefined) fields.prompt = prompt;
     if (frameId !== null && frameId !== undefined) fields.frame_id = frameId;
     if (timestamp !== null && timestamp !== undefined) fields.timestamp = timestamp;

@@ -6,6 +6,12 @@
     python clients/webcam/webcam.py --source /dev/video0 --fps 2 --size 320x240 \\
         --prompt "What changed?" --url ws://127.0.0.1:8000/v1/realtime --api-key KEY
     python clients/webcam/webcam.py --source testsrc --max-frames 20      # no camera needed
+    python clients/webcam/webcam.py --reply-every 0    # watch only; type questions, Enter asks
+
+``--reply-every N`` answers every Nth frame and only watches the others (``frame.append`` with
+``reply: false``: prefilled, nothing generated); 0 watches every frame. A line typed on stdin is a
+question, sent between two frames (a ``text`` chunk), its answer streamed (``--no-questions``
+turns stdin off).
 
 ffmpeg decodes the source and writes MJPEG at ``--fps`` and ``--size`` to a pipe; the script
 splits the pipe into JPEG images at their SOI/EOI markers (:class:`JpegSplitter`) and sends them
@@ -34,7 +40,9 @@ import shutil
 import signal
 import statistics
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,7 +228,9 @@ class Stats:
     """What the run did; printed at exit."""
 
     sent: int = 0
-    replies: int = 0
+    replies: int = 0  # response.done of frames (watched ones included)
+    watched: int = 0  # frames sent with reply: false
+    answers: int = 0  # questions typed on stdin, answered
     sessions: int = 0
     resumes: int = 0
     lost: int = 0  # replies lost with a connection (the server restarted mid-reply)
@@ -239,6 +249,8 @@ class Stats:
             "captured": slot.captured,
             "sent": self.sent,
             "replies": self.replies,
+            "watched": self.watched,
+            "answers": self.answers,
             "dropped": slot.dropped,
             "sessions": self.sessions,
             "resumes": self.resumes,
@@ -311,23 +323,82 @@ async def capture(stdout: asyncio.StreamReader, splitter: JpegSplitter, slot: La
         slot.close()
 
 
+class Questions:
+    """Lines typed on stdin, read by a daemon thread (it never holds up the exit)."""
+
+    def __init__(self) -> None:
+        self.pending: deque[str] = deque()
+        self.asked = 0
+
+    def start(self, stream: Any = None) -> None:
+        stream = sys.stdin if stream is None else stream
+
+        def read() -> None:
+            try:
+                for line in stream:
+                    if line.strip():
+                        self.pending.append(line.strip())
+            except Exception:  # stdin closed or not readable (e.g. under a test runner)
+                return
+
+        threading.Thread(target=read, name="webcam-questions", daemon=True).start()
+
+    def take(self) -> str | None:
+        return self.pending.popleft() if self.pending else None
+
+
+def wants_reply(number: int, reply_every: int) -> bool:
+    """Frame `number` (0, 1, … sent in this run) is answered: every `reply_every`th one, the
+    last of each group (0: none, 1: all)."""
+    return reply_every > 0 and number % reply_every == reply_every - 1
+
+
+async def ask(
+    session: RealtimeSession, question: str, stats: Stats, args: argparse.Namespace, out: Any
+) -> None:
+    stream = session.stream_ask(question, frame_id=f"ask-{stats.answers}", timeout=args.timeout)
+    out.write(f"[ask] {question}\n  → ")
+    out.flush()
+    async for delta in stream:
+        out.write(delta.delta)
+        out.flush()
+    done = stream.done
+    assert done is not None
+    stats.answers += 1
+    out.write(f"  ({done.status})\n")
+    out.flush()
+
+
 async def send_frames(
     session: RealtimeSession,
     slot: LatestFrame,
     stats: Stats,
     args: argparse.Namespace,
     out: Any,
+    questions: Questions | None = None,
 ) -> bool:
-    """Send the newest frame whenever the previous reply is done; False when out of frames."""
+    """Send the newest frame whenever the previous reply is done; False when out of frames.
+    A question typed meanwhile goes first (between two frames)."""
     while not args.max_frames or stats.replies < args.max_frames:
+        question = questions.take() if questions is not None else None
+        if question is not None:
+            try:
+                await ask(session, question, stats, args, out)
+            except ConnectionLost:
+                if session.is_closed:
+                    raise
+                out.write(" (lost with the connection)\n")
+            continue
         frame = await slot.take()
         if frame is None:
             return False
+        reply = wants_reply(stats.replies, args.reply_every)
         stream = session.stream_frame(
             frame.data,
-            prompt=args.prompt or None,
+            prompt=(args.prompt or None) if reply else None,
             frame_id=f"frame-{frame.number}",
             timestamp=frame.captured_at,
+            reply=reply,
             timeout=args.timeout,
         )
         out.write(f"[frame-{frame.number}] ")
@@ -353,13 +424,19 @@ async def send_frames(
         done = stream.done
         assert done is not None
         stats.replies += 1
+        if done.status == "ingested":
+            stats.watched += 1
         stats.statuses[done.status] = stats.statuses.get(done.status, 0) + 1
         if done.timing.total_ms is not None:
             stats.latencies_ms.append(done.timing.total_ms)
         total = f"{done.timing.total_ms:.0f} ms" if done.timing.total_ms is not None else "? ms"
+        held = (
+            f"{done.retention.frames_retained} frames / {done.retention.kv_blocks_held} KV blocks"
+            if done.retention is not None
+            else "no retention info"
+        )
         out.write(
-            f"  ({total}, {done.status}, {done.retention.frames_retained} frames / "
-            f"{done.retention.kv_blocks_held} KV blocks)\n"
+            f"{'watched' if done.status == 'ingested' else ''}  ({total}, {done.status}, {held})\n"
         )
         out.flush()
     return True
@@ -371,6 +448,7 @@ async def run(
     err: Any = sys.stderr,
     *,
     handle_signals: bool = True,
+    questions: Questions | None = None,
 ) -> int:
     """Capture and stream until the source ends, --max-frames replies, or SIGINT/SIGTERM.
 
@@ -406,6 +484,9 @@ async def run(
     )
     rc = 0
     failures = 0
+    if questions is None and args.questions:
+        questions = Questions()
+        questions.start()
 
     def notice(event: ServerEvent) -> None:
         # Sessions the SDK moved to by itself count too (after a drain or a restart).
@@ -443,7 +524,7 @@ async def run(
                         f"webcam: session {opened.session_id} on {opened.limits.model} "
                         f"({args.size[0]}x{args.size[1]} at {args.fps:g} fps)\n"
                     )
-                    more = await send_frames(session, slot, stats, args, out)
+                    more = await send_frames(session, slot, stats, args, out, questions)
                     if not more or (args.max_frames and stats.replies >= args.max_frames):
                         return
             except Unauthorized as exc:
@@ -524,6 +605,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-tokens", type=int, default=32, help="most tokens per reply")
     p.add_argument(
+        "--reply-every",
+        type=int,
+        default=1,
+        help="answer every Nth frame, only watch the others (reply: false); 0: watch only",
+    )
+    p.add_argument(
+        "--no-questions",
+        dest="questions",
+        action="store_false",
+        help="do not read questions from stdin (default: each line typed is asked)",
+    )
+    p.add_argument(
         "--max-frames", type=int, default=0, help="stop after this many replies (0: no limit)"
     )
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per reply")
@@ -552,8 +645,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.fps <= 0 or args.fps > 120:
         p.error("--fps must be in (0, 120]")
-    if args.window < 0 or args.max_tokens < 1 or args.max_frames < 0:
-        p.error("--window, --max-tokens and --max-frames must not be negative")
+    if args.window < 0 or args.max_tokens < 1 or args.max_frames < 0 or args.reply_every < 0:
+        p.error("--window, --max-tokens, --max-frames and --reply-every must not be negative")
     if args.resume_grace < 0 or args.retries < 0:
         p.error("--resume-grace and --retries must not be negative")
     return args

@@ -21,8 +21,10 @@ const state = {
   secrets: 0, // client secrets minted (when this server serves the page)
   sent: 0,
   dropped: 0,
-  dones: [], // one entry per reply, across sessions
+  dones: [], // one entry per reply or watched frame, across sessions
   errors: [],
+  question: null, // asked, waiting for the next free turn
+  answers: 0,
 };
 // For people poking around in the console, and for the browser test.
 window.demo = { state, start, stop };
@@ -54,6 +56,10 @@ function settings() {
   };
 }
 
+// "watch": frames are only taken in (frame.append with reply: false) and questions from the
+// ask box are answered between them; "reply": every frame is answered.
+const watching = () => $("mode").value === "watch";
+
 const fps = () => clamp(parseFloat($("fps").value) || 2, 0.2, 30);
 const captureWidth = () => clamp(parseInt($("size").value, 10) || 224, 56, 1280);
 
@@ -62,6 +68,8 @@ function setRunning(running) {
   $("start").disabled = running;
   $("stop").disabled = !running;
   for (const id of ["url", "api-key", "instructions", "window", "max-tokens", "size"]) $(id).disabled = running;
+  $("question").disabled = !running;
+  $("ask").disabled = !running;
 }
 
 // ------------------------------------------------------------------ session
@@ -198,15 +206,34 @@ function tick() {
     updateStats();
     return;
   }
-  const frameId = `cam-${state.frameNo++}`;
   const started = performance.now();
+  if (state.question !== null) {
+    // A question goes in the next free turn, between two frames; its answer streams in.
+    const question = state.question;
+    state.question = null;
+    showCurrent("?", "");
+    client
+      .ask(question, {
+        frameId: `ask-${state.answers}`,
+        timestamp: started / 1000,
+        onDelta: (_delta, text, event) => showCurrent(`#${event.frame_index} ?`, text),
+      })
+      .then((done) => onDone(done, performance.now() - started, question))
+      .catch((err) => {
+        if (!client.closed) fail(err);
+      });
+    return;
+  }
+  const frameId = `cam-${state.frameNo++}`;
+  const watch = watching();
   state.sent += 1;
-  showCurrent("…", "");
-  const prompt = $("prompt").value.trim() || null;
+  if (!watch) showCurrent("…", "");
+  const prompt = watch ? null : $("prompt").value.trim() || null;
   client
     .offerFrame(capture, {
       prompt,
       frameId,
+      reply: !watch,
       timestamp: started / 1000,
       onDelta: (_delta, text, event) => showCurrent(`#${event.frame_index}`, text),
     })
@@ -224,8 +251,9 @@ function showCurrent(label, text) {
   $("current").textContent = text;
 }
 
-function onDone(done, wallMs) {
+function onDone(done, wallMs, question = null) {
   const entry = {
+    question,
     session: state.sessions,
     frame_index: done.frame_index,
     frame_id: done.frame_id,
@@ -234,11 +262,15 @@ function onDone(done, wallMs) {
     total_ms: done.timing.total_ms ?? wallMs,
     ttft_ms: done.timing.ttft_ms,
     wall_ms: wallMs,
-    frames_retained: done.retention.frames_retained,
-    kv_blocks_held: done.retention.kv_blocks_held,
-    tokens_retained: done.retention.tokens_retained,
+    frames_retained: done.retention?.frames_retained ?? null,
+    kv_blocks_held: done.retention?.kv_blocks_held ?? null,
+    tokens_retained: done.retention?.tokens_retained ?? null,
   };
   state.dones.push(entry);
+  if (question !== null) state.answers += 1;
+  updateStats();
+  drawPlots();
+  if (done.status === "ingested") return; // watched: nothing to show but the counters
   showCurrent(`#${done.frame_index}`, done.text);
   addReply(entry);
   updateStats();
@@ -261,18 +293,28 @@ function addReply(entry) {
   meta.className = "meta";
   meta.textContent = `${Math.round(entry.total_ms)} ms${entry.status === "completed" ? "" : " · " + entry.status}`;
   li.append(index, text, meta);
+  if (entry.question !== null) {
+    // An answer to a question from the ask box: the question above it.
+    li.dataset.question = entry.question;
+    li.classList.add("answer");
+    const asked = document.createElement("span");
+    asked.className = "question";
+    asked.textContent = `Q: ${entry.question}`;
+    li.prepend(asked);
+  }
   $("replies").prepend(li);
   while ($("replies").children.length > MAX_REPLIES) $("replies").lastChild.remove();
 }
 
 function updateStats() {
   $("stat-sent").textContent = String(state.sent);
-  $("stat-replies").textContent = String(state.dones.length);
+  $("stat-replies").textContent = String(state.dones.filter((d) => d.status !== "ingested").length);
+  $("stat-watched").textContent = String(state.dones.filter((d) => d.status === "ingested").length);
   $("stat-dropped").textContent = String(state.dropped);
   const last = state.dones[state.dones.length - 1];
   if (last) {
     $("stat-latency").textContent = `${Math.round(last.total_ms)} ms`;
-    $("stat-blocks").textContent = String(last.kv_blocks_held);
+    if (last.kv_blocks_held !== null) $("stat-blocks").textContent = String(last.kv_blocks_held);
   }
 }
 
@@ -395,6 +437,14 @@ $("controls").addEventListener("submit", (event) => {
   start();
 });
 $("stop").addEventListener("click", () => stop());
+$("ask-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const question = $("question").value.trim();
+  if (!question || !state.running) return;
+  state.question = question; // sent at the next tick, when no chunk is in flight
+  $("question").value = "";
+  log(`asked: ${question}`);
+});
 $("fps").addEventListener("change", () => {
   if (state.running) schedule();
 });

@@ -65,14 +65,17 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from retention.policy import (
+    CHUNK_HEAD_KEY,
+    CHUNK_KIND_KEY,
     REQUEST_ARGS_KEY,
+    TEXT_KINDS,
     RetentionBudget,
     SessionHistory,
     append_segment,
     apply_eviction,
     consolidate,
+    eviction_rounds,
     needs_consolidation,
-    plan_eviction,
 )
 from retention.vllm_adapter.kv_range import evict_token_range_for_request
 from retention.vllm_adapter.mrope import MRopeFold, set_fold
@@ -94,6 +97,12 @@ class SessionRetentionState:
     encoder_entries_released: int = 0
     encoder_inputs_scheduled: int = 0
     preemptions: int = 0
+    # With a text window: the kind and prompt length of the chunk folded in last, and how many
+    # chunks came (the first `sink_chunks` are pinned, their replies with them).
+    pending_kind: str = "chunk"
+    pending_prompt: int = 0
+    pending_head: int = 0
+    chunks: int = 0
 
 
 def budget_of(sampling_params: Any) -> RetentionBudget | None:
@@ -106,11 +115,57 @@ def budget_of(sampling_params: Any) -> RetentionBudget | None:
     return RetentionBudget.from_request_args(raw)
 
 
+def chunk_kind(sampling_params: Any) -> str:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return "text" if extra.get(CHUNK_KIND_KEY) == "text" else "frame"
+
+
+def chunk_head(sampling_params: Any) -> int:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    head = extra.get(CHUNK_HEAD_KEY, 0)
+    return head if isinstance(head, int) and not isinstance(head, bool) and head > 0 else 0
+
+
 def _set_offset(request: Any, offset: int) -> None:
     params = request.sampling_params
     extra = dict(params.extra_args or {})
     extra[POSITION_OFFSET_KEY] = int(offset)
     params.extra_args = extra
+
+
+def _merge_freed(
+    before: list[tuple[int, int]], later: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """Ranges freed by a later round (in coordinates compacted by `before`) mapped back to the
+    coordinates before any of them, merged with `before`: sorted, disjoint, adjacent ones
+    joined. A later range that spans a place where `before` freed tokens is split around it."""
+    pieces = list(before)
+    for a, b in later:
+        shift = 0
+        cursor = a  # compacted coordinate still to map
+        for s0, e0 in sorted(before):
+            if b <= cursor:
+                break
+            start = cursor + shift  # original coordinate of `cursor`
+            if e0 <= start:
+                shift += e0 - s0
+                continue
+            if s0 >= start + (b - cursor):
+                break
+            take = s0 - start  # tokens before this earlier range
+            if take > 0:
+                pieces.append((start, s0))
+                cursor += take
+            shift += e0 - s0
+        if cursor < b:
+            pieces.append((cursor + shift, b + shift))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(pieces):
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
 
 
 class SessionRetention:
@@ -146,7 +201,12 @@ class SessionRetention:
         if budget.max_position is not None:
             limit = min(limit, budget.max_position)
         self.sessions[request.request_id] = SessionRetentionState(
-            budget=budget, history=SessionHistory.for_budget(budget), max_position=limit
+            budget=budget,
+            history=SessionHistory.for_budget(budget),
+            max_position=limit,
+            pending_kind=chunk_kind(request.sampling_params),
+            pending_prompt=int(request.num_prompt_tokens),
+            pending_head=0,
         )
         _set_offset(request, 0)
         if self.uses_mrope:
@@ -173,25 +233,36 @@ class SessionRetention:
         computed = int(request.num_computed_tokens)
         new_tokens = computed - history.num_tokens
         if new_tokens > 0:
-            history = append_segment(history, "chunk", new_tokens)
-        plan = plan_eviction(history, state.budget, self.block_size, protected_tail_tokens=0)
+            history = self._record(state, history, new_tokens)
+        # The chunk just folded in (the protected tail): its kind and prompt length, for the
+        # next fold to split it from its reply.
+        state.pending_kind = chunk_kind(request.sampling_params)
+        state.pending_prompt = int(request.num_tokens) - computed
+        state.pending_head = chunk_head(request.sampling_params)
         freed: list[tuple[int, int]] = []
-        for start, end in reversed(plan.ranges):
-            a, b, n = evict_token_range_for_request(
-                self.kv_cache_manager,
-                request.request_id,
-                start,
-                end,
-                num_committed_tokens=computed,
-            )
-            state.evict_calls += 1
-            if n == 0:
-                continue
-            state.blocks_freed_total += n
-            self._compact_request(request, a, b, state)
-            freed.append((a, b))
-        if plan.ranges:
-            history = apply_eviction(history, sorted(freed), dropped=plan.dropped_segments)
+        for plan_round in eviction_rounds(state.budget):
+            plan = plan_round(history, state.budget, self.block_size, 0)
+            round_freed: list[tuple[int, int]] = []
+            for start, end in reversed(plan.ranges):
+                a, b, n = evict_token_range_for_request(
+                    self.kv_cache_manager,
+                    request.request_id,
+                    start,
+                    end,
+                    num_committed_tokens=int(request.num_computed_tokens),
+                )
+                state.evict_calls += 1
+                if n == 0:
+                    continue
+                state.blocks_freed_total += n
+                self._compact_request(request, a, b, state)
+                round_freed.append((a, b))
+            if plan.ranges or plan.dropped_segments:
+                history = apply_eviction(
+                    history, sorted(round_freed), dropped=plan.dropped_segments
+                )
+            # In the coordinates before this fold's eviction (the mRoPE fold record's).
+            freed = _merge_freed(freed, sorted(round_freed))
         incoming = (
             int(request.num_tokens) - int(request.num_computed_tokens) + int(request.max_tokens)
         )
@@ -217,6 +288,28 @@ class SessionRetention:
                 ),
             )
         return self._does_not_fit(request, state, incoming)
+
+    def _record(
+        self, state: SessionRetentionState, history: SessionHistory, new_tokens: int
+    ) -> SessionHistory:
+        """The tokens computed since the last fold as segments: one "chunk" segment (the chunk
+        and its kept reply), or with a text window the chunk's head that closes the previous
+        reply ("reply"), the chunk ("text" or "frame") and its reply ("reply") apart."""
+        budget = state.budget
+        if budget.text_window_tokens is None:
+            return append_segment(history, "chunk", new_tokens)
+        pinned = state.chunks < budget.sink_chunks
+        state.chunks += 1
+        # The chunk's head closes the previous reply's turn: text, kept with that reply.
+        head = min(state.pending_head, state.pending_prompt - 1, new_tokens - 1)
+        if head > 0:
+            history = append_segment(history, "reply", head, pinned=pinned)
+            new_tokens -= head
+        prompt = max(1, min(state.pending_prompt - max(head, 0), new_tokens))
+        history = append_segment(history, state.pending_kind, prompt, pinned=pinned)
+        if new_tokens > prompt:
+            history = append_segment(history, "reply", new_tokens - prompt, pinned=pinned)
+        return history
 
     def _does_not_fit(
         self, request: Any, state: SessionRetentionState, incoming: int
@@ -366,7 +459,13 @@ class SessionRetention:
             "segments": len(h.segments),
             # Whole chunks held; remnants (tokens of a dropped chunk that share a block with a
             # survivor) are counted in tokens, not as retained chunks.
-            "chunks_retained": len({seg.index for seg in h.segments if not seg.remnant}),
+            # With a text window a reply is a segment of its own, not a chunk.
+            "chunks_retained": len(
+                {seg.index for seg in h.segments if not seg.remnant and seg.kind != "reply"}
+            ),
+            "text_tokens": sum(
+                seg.num_tokens for seg in h.segments if not seg.remnant and seg.kind in TEXT_KINDS
+            ),
             "remnant_tokens": sum(seg.num_tokens for seg in h.segments if seg.remnant),
             "chunks_evicted": h.chunks_evicted_total,
             "tokens_evicted": h.tokens_evicted_total,

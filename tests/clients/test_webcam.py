@@ -220,3 +220,28 @@ async def test_webcam_script_end_to_end_with_ffmpeg_testsrc(client_server: Runni
             break
         await asyncio.sleep(0.05)
     assert not client_server.hub.sessions
+
+
+async def test_webcam_reply_every_and_a_question_on_stdin(client_server: RunningServer) -> None:
+    need_tool("ffmpeg", "apt-get install ffmpeg")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(WEBCAM),
+        "--source", "testsrc", "--fps", "10", "--size", "112x112",
+        "--window", "4", "--max-tokens", "4", "--reply-every", "3",
+        "--max-frames", "6", "--url", client_server.url, "--api-key", CLIENT_KEY, "--json",
+        cwd=ROOT, env=env, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(b"What is on screen?\n"), 120)
+    assert proc.returncode == 0, err.decode()
+    lines = out.decode().splitlines()
+    summary = json.loads(lines[-1])
+    frames = [line for line in lines if line.startswith("[frame-")]
+    assert len(frames) == 6, out.decode()
+    # Frames 2 and 5 (0-based) are answered, the others only watched.
+    assert [("watched" in line) for line in frames] == [True, True, False, True, True, False]
+    assert summary["watched"] == 4 and summary["statuses"]["ingested"] == 4
+    assert summary["answers"] == 1
+    assert any(line.startswith("[ask] What is on screen?") for line in lines), out.decode()

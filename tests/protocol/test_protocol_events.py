@@ -362,3 +362,41 @@ def test_import_is_pure() -> None:
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_frame_append_reply_defaults_to_true() -> None:
+    assert FrameAppendEvent(text="x").reply is True
+    assert FrameAppendEvent(text="x", reply=False).reply is False
+
+
+def test_frame_append_format_needs_a_reply() -> None:
+    # A reply format on an ingested chunk means nothing: refused rather than ignored.
+    with pytest.raises(ValidationError, match="needs a reply"):
+        FrameAppendEvent(text="x", reply=False, response_format={"type": "json_object"})
+
+
+def test_response_format_openai_shape_round_trips() -> None:
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "event", "schema": {"type": "object"}, "strict": True},
+    }
+    event = SessionOpenEvent.model_validate({"sampling": {"response_format": fmt}})
+    dumped = event.model_dump(mode="json", exclude_none=True)
+    # The wire name is "schema" both ways (the attribute is schema_).
+    assert dumped["sampling"]["response_format"] == fmt
+    assert SessionOpenEvent.model_validate(dumped) == event
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {"schema": {}}},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": []}},
+        {"type": "xml"},
+        {"type": "json_object", "schema": {}},
+    ],
+)
+def test_response_format_refused(fmt: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        SamplingConfig.model_validate({"response_format": fmt})

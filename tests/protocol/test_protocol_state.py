@@ -368,7 +368,6 @@ def test_text_session() -> None:
         ("text", {"image": b64(JPEG)}),
         ("text", {"video": b64(MP4)}),
         ("text", {"binary": True}),
-        ("video", {"text": "hi"}),
     ],
 )
 def test_modality_mismatch(modality: str, payload: dict[str, Any]) -> None:
@@ -376,6 +375,43 @@ def test_modality_mismatch(modality: str, payload: dict[str, Any]) -> None:
     with pytest.raises(InvalidEvent, match=f"{modality} session"):
         proto.receive_client_event(FrameAppendEvent.model_validate(payload))
     assert proto.state is State.IDLE
+
+
+def test_video_session_takes_a_question() -> None:
+    # Issue #19: text in a video session is a question about the window, answered like any chunk.
+    proto = opened(modality="video")
+    action = proto.receive_client_event(
+        FrameAppendEvent.model_validate({"text": "What is in view?", "frame_id": "q"})
+    )
+    assert isinstance(action, SubmitFrame)
+    assert action.frame.kind == "text" and action.frame.text == "What is in view?"
+    assert action.frame.reply is True
+    assert proto.state is State.AWAITING_RESPONSE
+
+
+def test_ingested_chunk_finishes_as_ingested() -> None:
+    proto = opened(modality="video")
+    action = proto.receive_client_event(
+        FrameAppendEvent.model_validate({"image": b64(JPEG), "reply": False})
+    )
+    assert isinstance(action, SubmitFrame) and action.frame.reply is False
+    # One chunk in flight, as for an answered chunk.
+    with pytest.raises(ChunkInFlight):
+        proto.receive_client_event(FrameAppendEvent.model_validate({"image": b64(JPEG)}))
+    done = proto.response_finished("ingested")
+    assert done.status == "ingested" and done.text == ""
+    assert proto.state is State.IDLE and proto.responses == {"ingested": 1}
+
+
+def test_chunk_response_format_reaches_the_frame() -> None:
+    proto = opened(modality="text")
+    fmt = {"type": "json_schema", "json_schema": {"name": "e", "schema": {"type": "object"}}}
+    action = proto.receive_client_event(
+        FrameAppendEvent.model_validate({"text": "hi", "response_format": fmt})
+    )
+    assert isinstance(action, SubmitFrame)
+    assert action.frame.response_format is not None
+    assert action.frame.response_format.type == "json_schema"
 
 
 @pytest.mark.parametrize(

@@ -136,3 +136,80 @@ def test_frame_tokens_from_the_processor_config() -> None:
     assert bounds.chunk_tokens(16) == 8 * 64
     assert bounds.clip_tokens(3) == 2 * 64
     assert media_bounds({}) is None
+
+
+@st.composite
+def split_scenarios(
+    draw: st.DrawFn,
+) -> tuple[dict[str, int | float | None], ChunkBounds, int, list[tuple[str, int, int]]]:
+    block_size = draw(st.sampled_from([16, 32, 128]))
+    chunk_cap = draw(st.integers(1, 300))
+    reply_cap = draw(st.integers(1, 64))
+    instructions = draw(st.integers(0, 200))
+    budget: dict[str, int | float | None] = {
+        "sink_chunks": draw(st.integers(0, 2)),
+        "sink_tokens": draw(st.integers(0, 100)),
+        "window_chunks": draw(st.integers(1, 8)),
+        "window_tokens": draw(st.none() | st.integers(1, 1000)),
+        "text_window_tokens": draw(st.integers(1, 600)),
+        "low_watermark_ratio": draw(st.sampled_from([0.25, 0.5, 0.75, 1.0])),
+    }
+    chunks = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["frame", "text"]),
+                st.just(chunk_cap) | st.integers(1, chunk_cap),
+                # 1: an ingested chunk (its one sampled token is dropped at the fold)
+                st.just(reply_cap) | st.integers(1, reply_cap) | st.just(1),
+            ),
+            min_size=1,
+            max_size=80,
+        )
+    )
+    return budget, ChunkBounds(chunk_cap, reply_cap, instructions), block_size, chunks
+
+
+def simulate_split_peak(
+    budget_args: dict[str, int | float | None],
+    bounds: ChunkBounds,
+    block_size: int,
+    chunks: list[tuple[str, int, int]],
+) -> int:
+    """What eviction.py does with a text window: the previous chunk and its kept reply become
+    two segments (its kind, "reply"), then the frame round and the text round."""
+    from retention.policy import eviction_rounds
+
+    budget = RetentionBudget(**{k: v for k, v in budget_args.items() if v is not None})  # type: ignore[arg-type]
+    history = SessionHistory.for_budget(budget)
+    held = 0
+    peak = 0
+    pending: tuple[str, int] | None = None
+    for i, (kind, chunk, reply) in enumerate(chunks):
+        if i == 0:
+            chunk += bounds.instructions_tokens
+        if pending is not None and held > history.num_tokens:
+            new = held - history.num_tokens
+            pinned = i - 1 < budget.sink_chunks
+            prompt = max(1, min(pending[1], new))
+            history = append_segment(history, pending[0], prompt, pinned=pinned)
+            if new > prompt:
+                history = append_segment(history, "reply", new - prompt, pinned=pinned)
+        for plan_round in eviction_rounds(budget):
+            plan = plan_round(history, budget, block_size, 0)
+            if plan.ranges or plan.dropped_segments:
+                history = apply_eviction(history, plan.ranges, dropped=plan.dropped_segments)
+        peak = max(peak, history.num_tokens + chunk + reply)
+        held = history.num_tokens + chunk + reply - 1
+        pending = (kind, chunk)
+    return blocks_for(peak, block_size)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(split_scenarios())
+def test_reservation_bounds_the_peak_with_a_text_window(
+    scenario: tuple[dict[str, int | float | None], ChunkBounds, int, list[tuple[str, int, int]]],
+) -> None:
+    budget, bounds, block_size, chunks = scenario
+    footprint = bounded_footprint(budget, bounds, block_size)
+    peak = simulate_split_peak(budget, bounds, block_size, chunks)
+    assert peak <= footprint.blocks, (peak, footprint)

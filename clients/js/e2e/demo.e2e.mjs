@@ -4,6 +4,9 @@
 //   DEMO_URL=http://127.0.0.1:8000/ DEMO_API_KEY=... DEMO_FRAMES=10 DEMO_SCREENSHOT=artifacts/demo.png \
 //   DEMO_USER_DATA_DIR=$(mktemp -d) node clients/js/e2e/demo.e2e.mjs
 //
+// DEMO_MODE=watch: frames are only watched (no replies); then DEMO_QUESTION is typed into the ask
+// box and its streamed answer awaited.
+//
 // Prints one JSON line (the summary the pytest test checks) and exits 0, or exits 1 with the reason.
 import { chromium } from "playwright-core";
 
@@ -14,6 +17,8 @@ const screenshot = env.DEMO_SCREENSHOT || "artifacts/demo.png";
 const userDataDir = env.DEMO_USER_DATA_DIR;
 const executablePath = env.CHROMIUM || "/usr/bin/chromium";
 const timeoutMs = parseInt(env.DEMO_TIMEOUT_MS || "120000", 10);
+const mode = env.DEMO_MODE || "reply";
+const question = env.DEMO_QUESTION || "";
 if (!userDataDir) throw new Error("DEMO_USER_DATA_DIR must name a fresh directory");
 
 const FLAGS = [
@@ -38,8 +43,9 @@ const context = await chromium.launchPersistentContext(userDataDir, {
 });
 const consoleLines = [];
 const pageErrors = [];
+let page = null;
 try {
-  const page = context.pages()[0] || (await context.newPage());
+  page = context.pages()[0] || (await context.newPage());
   page.on("console", (msg) => consoleLines.push(`${msg.type()}: ${msg.text()}`));
   page.on("pageerror", (err) => pageErrors.push(String(err)));
   await page.goto(url, { waitUntil: "load" });
@@ -52,13 +58,31 @@ try {
   await fill("window", env.DEMO_WINDOW || "4");
   await fill("max-tokens", env.DEMO_MAX_TOKENS || "4");
   await fill("prompt", "What changed?");
+  await page.selectOption("#mode", mode);
   await page.click("#start");
 
-  await page.waitForFunction(
-    (n) => document.querySelectorAll("#replies li").length >= n || window.demo.state.status === "error",
-    frames,
-    { timeout: timeoutMs, polling: 100 },
-  );
+  if (mode === "watch") {
+    await page.waitForFunction(
+      (n) => window.demo.state.dones.filter((d) => d.status === "ingested").length >= n || window.demo.state.status === "error",
+      frames,
+      { timeout: timeoutMs, polling: 100 },
+    );
+    if (question) {
+      await fill("question", question);
+      await page.click("#ask");
+      await page.waitForFunction(
+        () => document.querySelectorAll("#replies li.answer").length >= 1 || window.demo.state.status === "error",
+        null,
+        { timeout: timeoutMs, polling: 100 },
+      );
+    }
+  } else {
+    await page.waitForFunction(
+      (n) => document.querySelectorAll("#replies li").length >= n || window.demo.state.status === "error",
+      frames,
+      { timeout: timeoutMs, polling: 100 },
+    );
+  }
   // Let the plots and the last reply settle, then look at the page as a person would.
   await page.waitForTimeout(300);
   const summary = await page.evaluate(() => {
@@ -82,10 +106,12 @@ try {
         frame_index: Number(li.dataset.frameIndex),
         frame_id: li.dataset.frameId,
         session: Number(li.dataset.session),
+        question: li.dataset.question ?? null,
         text: li.querySelector(".text").textContent,
       })),
       current: document.getElementById("current").textContent,
       statReplies: document.getElementById("stat-replies").textContent,
+      statWatched: document.getElementById("stat-watched").textContent,
       model: document.getElementById("stat-model").textContent,
       video: { width: document.getElementById("video").videoWidth, height: document.getElementById("video").videoHeight },
       plotColours: { latency: inked("plot-latency"), retention: inked("plot-retention") },
@@ -101,6 +127,8 @@ try {
 } catch (err) {
   console.error(`demo e2e failed: ${err && err.stack ? err.stack : err}`);
   console.error(`page errors: ${JSON.stringify(pageErrors)}\nconsole: ${JSON.stringify(consoleLines.slice(-20))}`);
+  const state = page ? await page.evaluate(() => JSON.stringify(window.demo?.state ?? null)).catch(() => null) : null;
+  console.error(`page state: ${state}`);
   process.exitCode = 1;
 } finally {
   await context.close();

@@ -566,3 +566,46 @@ test("resilient: retries are bounded; then the reply in flight fails with connec
   assert.equal(dialled, 3);
   assert.equal(client.closed, true);
 });
+
+test("ingestFrame sends reply: false and resolves with the ingested response.done (no created, no deltas)", async () => {
+  const { client, ws } = await opened();
+  const pending = client.ingestFrame(JPEG, { frameId: "w1" });
+  await tick();
+  const announce = ws.lastJson();
+  assert.equal(announce.reply, false);
+  assert.equal(announce.binary, true);
+  assert.equal("response_format" in announce, false);
+  const index = frameIndex++;
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: index, frame_id: "w1", bytes: 10 });
+  ws.emit({
+    type: "response.done",
+    event_id: "e",
+    frame_index: index,
+    frame_id: "w1",
+    status: "ingested",
+    status_reason: null,
+    text: "",
+    usage: { prompt_tokens: 20, completion_tokens: 0 },
+    timing: { queue_ms: 1, ttft_ms: null, total_ms: 3 },
+    retention: null,
+  });
+  const done = await pending;
+  assert.equal(done.status, "ingested");
+  assert.equal(client.busy, false);
+});
+
+test("ask sends a text chunk with its response_format and streams the answer", async () => {
+  const { client, ws } = await opened();
+  const seen = [];
+  const pending = client.ask("Did anyone enter?", { responseFormat: { type: "json_object" }, onDelta: (d) => seen.push(d) });
+  await tick();
+  const event = ws.lastJson();
+  assert.deepEqual(
+    { type: event.type, text: event.text, response_format: event.response_format, reply: event.reply },
+    { type: "frame.append", text: "Did anyone enter?", response_format: { type: "json_object" }, reply: undefined },
+  );
+  reply(ws, { deltas: ['{"a"', ":1}"] });
+  const done = await pending;
+  assert.deepEqual(JSON.parse(done.text), { a: 1 });
+  assert.deepEqual(seen, ['{"a"', ":1}"]);
+});

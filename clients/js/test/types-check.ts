@@ -33,6 +33,15 @@ export async function demo(url: string, jpeg: Blob): Promise<number | null> {
   resilient.on("reopened", (event) => console.log(event.session_id, resilient.generation));
   resilient.on("server.draining", (event) => console.log(event.seconds_left, resilient.holding));
   console.log(token, resilient.resilient, resilient.resumes, resilient.draining?.seconds_left);
+  await client.open({
+    modality: "video",
+    retention: { window_chunks: 4, text_window_tokens: 256 },
+    sampling: { response_format: { type: "json_schema", json_schema: { name: "scene", schema: { type: "object" } } } },
+  });
+  const watched = await client.ingestFrame(new Uint8Array(4), { frameId: "w" });
+  const status: "ingested" | "completed" | "cancelled" | "failed" | "incomplete" = watched.status;
+  const answer = await client.ask("What changed?", { responseFormat: { type: "json_object" }, onDelta: (d) => console.log(d) });
+  console.log(status, answer.text);
   const closed = await client.close({ timeoutMs: 100 });
   console.log(model, closed?.reason, offered?.status, sniffMedia(new Uint8Array(4)), RealtimeClientDefault);
   return done.timing.total_ms;

@@ -59,6 +59,7 @@ from protocol.events import (
     ResponseCancelEvent,
     ResponseCreatedEvent,
     ResponseDoneEvent,
+    ResponseFormat,
     ResponseTextDeltaEvent,
     ResumableConfig,
     RetentionConfig,
@@ -419,9 +420,14 @@ class RealtimeSession:
         frame_id: str | None = None,
         timestamp: float | None = None,
         binary: bool = True,
+        reply: bool = True,
+        response_format: ResponseFormat | dict[str, Any] | None = None,
         timeout: _Timeout = _DEFAULT,
     ) -> ResponseStream:
         """Send one image (JPEG/PNG/WebP) or clip (MP4/WebM) and stream its reply.
+
+        ``reply=False`` only prefills it (see :meth:`ingest_frame`); ``response_format``
+        constrains this reply (OpenAI's shape), overriding the session's.
 
         ``binary=True`` (default) sends the bytes as a binary WebSocket message after a
         ``frame.append`` with ``"binary": true``; ``binary=False`` sends base64 inside the JSON.
@@ -434,7 +440,11 @@ class RealtimeSession:
         limit = self.limits.max_frame_bytes
         if len(data) > limit:
             raise FrameTooLarge(f"payload is {len(data)} bytes; the server's limit is {limit}")
-        common = {"prompt": prompt, "frame_id": frame_id, "timestamp": timestamp}
+        common: dict[str, Any] = {"prompt": prompt, "frame_id": frame_id, "timestamp": timestamp}
+        if not reply:
+            common["reply"] = False
+        if response_format is not None:
+            common["response_format"] = response_format
         if binary:
             payload = _Payload(self._frame_event(binary=True, **common), data)
         else:
@@ -451,6 +461,7 @@ class RealtimeSession:
         frame_id: str | None = None,
         timestamp: float | None = None,
         binary: bool = True,
+        response_format: ResponseFormat | dict[str, Any] | None = None,
         timeout: _Timeout = _DEFAULT,
     ) -> ResponseDoneEvent:
         """Send one image or clip and return its ``response.done`` (see :meth:`stream_frame`).
@@ -464,6 +475,69 @@ class RealtimeSession:
             frame_id=frame_id,
             timestamp=timestamp,
             binary=binary,
+            response_format=response_format,
+            timeout=timeout,
+        )
+        return await stream.result()
+
+    async def ingest_frame(
+        self,
+        data: bytes,
+        *,
+        frame_id: str | None = None,
+        timestamp: float | None = None,
+        binary: bool = True,
+        timeout: _Timeout = _DEFAULT,
+    ) -> ResponseDoneEvent:
+        """Watch one image or clip without a reply (``frame.append`` with ``reply: false``).
+
+        The frame is prefilled into the session's context and nothing is generated; the
+        ``response.done`` comes with ``status == "ingested"`` (empty text, no
+        ``response.created``, no deltas). Ask about what was watched with :meth:`ask`.
+        """
+        stream = self.stream_frame(
+            data,
+            frame_id=frame_id,
+            timestamp=timestamp,
+            binary=binary,
+            reply=False,
+            timeout=timeout,
+        )
+        return await stream.result()
+
+    def stream_ask(
+        self,
+        question: str,
+        *,
+        response_format: ResponseFormat | dict[str, Any] | None = None,
+        frame_id: str | None = None,
+        timestamp: float | None = None,
+        timeout: _Timeout = _DEFAULT,
+    ) -> ResponseStream:
+        """Ask a question between frames (a ``text`` chunk, also in ``"video"`` sessions) and
+        stream the answer. ``response_format`` constrains this answer, overriding the session's."""
+        fields: dict[str, Any] = {"text": question, "frame_id": frame_id, "timestamp": timestamp}
+        if response_format is not None:
+            fields["response_format"] = response_format
+        event = self._frame_event(**fields)
+        return ResponseStream(self, _Payload(event), self._resolve_timeout(timeout))
+
+    async def ask(
+        self,
+        question: str,
+        *,
+        response_format: ResponseFormat | dict[str, Any] | None = None,
+        frame_id: str | None = None,
+        timestamp: float | None = None,
+        timeout: _Timeout = _DEFAULT,
+    ) -> ResponseDoneEvent:
+        """Ask a question about what the session holds and return its ``response.done``
+        (the answer is ``done.text``; see :meth:`stream_ask`)."""
+        stream = self.stream_ask(
+            question,
+            response_format=response_format,
+            frame_id=frame_id,
+            timestamp=timestamp,
             timeout=timeout,
         )
         return await stream.result()
@@ -477,7 +551,8 @@ class RealtimeSession:
         timestamp: float | None = None,
         timeout: _Timeout = _DEFAULT,
     ) -> ResponseStream:
-        """Send one text turn (``"text"`` sessions) and stream its reply."""
+        """Send one text turn and stream its reply (in a ``"video"`` session it is a question
+        about what the window holds; see :meth:`ask`)."""
         event = self._frame_event(text=text, prompt=prompt, frame_id=frame_id, timestamp=timestamp)
         return ResponseStream(self, _Payload(event), self._resolve_timeout(timeout))
 

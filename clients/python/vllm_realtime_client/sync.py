@@ -181,6 +181,18 @@ class SyncSession:
         """Send one image or clip; iterate its deltas."""
         return SyncResponseStream(self._runner, self._session.stream_frame(data, **kwargs))
 
+    def ingest_frame(self, data: bytes, **kwargs: Any) -> ResponseDoneEvent:
+        """See :meth:`RealtimeSession.ingest_frame` (watch a frame, no reply)."""
+        return self._runner.run(self._session.ingest_frame(data, **kwargs))
+
+    def ask(self, question: str, **kwargs: Any) -> ResponseDoneEvent:
+        """See :meth:`RealtimeSession.ask`."""
+        return self._runner.run(self._session.ask(question, **kwargs))
+
+    def stream_ask(self, question: str, **kwargs: Any) -> SyncResponseStream:
+        """See :meth:`RealtimeSession.stream_ask`."""
+        return SyncResponseStream(self._runner, self._session.stream_ask(question, **kwargs))
+
     def append_text(self, text: str, **kwargs: Any) -> ResponseDoneEvent:
         """Send one text turn; return its ``response.done``."""
         return self._runner.run(self._session.append_text(text, **kwargs))

@@ -1,0 +1,86 @@
+"""The demo page's watch mode and ask box in a real headless Chromium (fake camera) against the
+real server and engine: frames are only watched (status "ingested", nothing shown), then one
+typed question is answered between two frames, its answer streamed onto the page."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from tests.clients.conftest import ARTIFACTS, CLIENT_KEY, JS_DIR, need, need_tool
+from tests.clients.test_demo_browser import run_node
+from tests.realtime.conftest import RunningServer
+
+pytestmark = pytest.mark.slow
+
+FRAMES = 8
+QUESTION = "What did the camera see?"
+
+
+async def test_demo_page_watches_then_answers_a_question(
+    client_server: RunningServer, tmp_path: Any
+) -> None:
+    chromium = need_tool("chromium", "apt-get install chromium (Debian's package)")
+    need(
+        (JS_DIR / "node_modules" / "playwright-core").is_dir(),
+        "playwright-core is not installed: npm ci --prefix clients/js",
+    )
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "demo-watch.png"
+    shot.unlink(missing_ok=True)
+    rc, out, err = await run_node(
+        str(JS_DIR / "e2e" / "demo.e2e.mjs"),
+        {
+            "DEMO_URL": client_server.http + "/",
+            "DEMO_API_KEY": CLIENT_KEY,
+            "DEMO_FRAMES": str(FRAMES),
+            "DEMO_FPS": "5",
+            "DEMO_WIDTH": "112",
+            "DEMO_WINDOW": "4",
+            "DEMO_MAX_TOKENS": "4",
+            "DEMO_MODE": "watch",
+            "DEMO_QUESTION": QUESTION,
+            "DEMO_SCREENSHOT": str(shot),
+            "DEMO_USER_DATA_DIR": str(tmp_path / "chromium-profile"),
+            "CHROMIUM": chromium,
+        },
+        timeout=240,
+    )
+    assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["pageErrors"] == [] and summary["errors"] == [], summary
+    assert summary["finalStatus"] == "stopped"
+
+    dones = summary["dones"]
+    assert [d["frame_index"] for d in dones] == list(range(len(dones)))
+    watched = [d for d in dones if d["status"] == "ingested"]
+    answers = [d for d in dones if d["question"] is not None]
+    assert len(watched) >= FRAMES
+    for d in watched:
+        assert d["text"] == "" and d["frame_id"].startswith("cam-") and d["question"] is None
+    # Exactly the one question, answered (a text chunk between frames), and only it on the page.
+    assert len(answers) == 1, answers
+    answer = answers[0]
+    assert answer["question"] == QUESTION and answer["status"] in ("completed", "incomplete")
+    assert answer["frame_id"] == "ask-0"
+    assert all(d["status"] == "ingested" for d in dones if d is not answer)
+    assert summary["dom"] == [
+        {
+            "frame_index": answer["frame_index"],
+            "frame_id": "ask-0",
+            "session": answer["session"],
+            "question": QUESTION,
+            "text": answer["text"],
+        }
+    ]
+    assert int(summary["statReplies"]) == 1 and int(summary["statWatched"]) == len(watched)
+    assert shot.stat().st_size > 20_000
+
+    for _ in range(100):
+        if not client_server.hub.sessions:
+            break
+        await asyncio.sleep(0.05)
+    assert not client_server.hub.sessions
