@@ -399,6 +399,7 @@ def tune(
     noise: float,
     seed: int,
     device: str,
+    n_eval: int = 400,
 ) -> dict[str, Any]:
     import torch
 
@@ -457,7 +458,7 @@ def tune(
         "loss": log,
         "seconds": time.perf_counter() - t0,
         "scale": scale,
-        "eval": evaluate(lm, d, final, device, noise=noise * scale / 24.0),
+        "eval": evaluate(lm, d, final, device, noise=noise * scale / 24.0, n=n_eval),
     }
 
 
@@ -526,6 +527,7 @@ def main() -> None:
     p.add_argument("--noise", type=float, default=0.4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--eval", type=int, default=400, help="held-out chats for the greedy check")
     args = ap.parse_args()
     if args.cmd == "prepare":
         from realtime.models import build_model
@@ -545,6 +547,7 @@ def main() -> None:
             noise=args.noise,
             seed=args.seed,
             device=args.device,
+            n_eval=args.eval,
         )
         print(json.dumps(info))
 
