@@ -90,20 +90,16 @@ def jpeg(seed: int, size: int = 112) -> bytes:
 
 class Session:
     def __init__(self, engine: Any, multimodal: bool, max_tokens: int) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        from protocol import SessionConfig
+        from protocol import SamplingConfig, SessionConfig
         from realtime.engine_session import EngineSession
 
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0.0,
+        self.es = EngineSession(
+            engine,
+            f"watch-{uuid.uuid4().hex[:12]}",
+            SamplingConfig(max_tokens=max_tokens, temperature=0.0),
+            {"sink_chunks": 1, "window_chunks": 8},
             ignore_eos=True,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"streaming_retention": {"sink_chunks": 1, "window_chunks": 8}},
         )
-        self.es = EngineSession(engine, f"watch-{uuid.uuid4().hex[:12]}", params)
         self.multimodal = multimodal
         self.config = SessionConfig(
             modality="video" if multimodal else "text",

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import websockets
 
-from protocol import Frame, SessionConfig
+from protocol import Frame, SamplingConfig, SessionConfig
 from realtime.engine_session import EngineSession, render_chunk
 from realtime.models import model_dir
 from tests.realtime.conftest import SUBPROTOCOLS, jpeg_bytes, open_session, recv, recv_until
@@ -49,13 +49,9 @@ class Driver:
     """One streaming session fed chunk by chunk, keeping each chunk's prompt ids and logprobs."""
 
     def __init__(self, engine: Any) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(
-            max_tokens=4, temperature=0.0, logprobs=TOP_K, output_kind=RequestOutputKind.DELTA
+        self.es = EngineSession(
+            engine, f"watch-{uuid.uuid4().hex[:12]}", SamplingConfig(max_tokens=4, temperature=0.0)
         )
-        self.es = EngineSession(engine, f"watch-{uuid.uuid4().hex[:12]}", params)
         self.engine = engine
         self.inputs: asyncio.Queue[Any] = asyncio.Queue()
         self.outputs: Any = None
@@ -76,6 +72,8 @@ class Driver:
             after_reply=self.es.turn_open,
         )
         params = self.es.chunk_params(reply=frame.reply)
+        if frame.reply:
+            params.logprobs = TOP_K
         self.inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
         if self.outputs is None:
             self.outputs = self.engine.generate(

@@ -236,8 +236,13 @@ async def test_frame_rate_limit(rate_server: RunningServer) -> None:
         for _ in range(6):
             await ws.send(json.dumps({"type": "response.cancel"}))
             assert (await recv(ws))["error"]["code"] == "no_response_in_flight"
-        await ws.send(bad)
-        err = await recv(ws)
+        # The bucket refilled while the turn ran (up to the burst on a loaded machine): the
+        # frame after the burst is limited again.
+        for _ in range(4):
+            await ws.send(bad)
+            err = await recv(ws)
+            if err["error"]["code"] == "rate_limited":
+                break
         assert err["error"]["code"] == "rate_limited" and err["error"]["session_survives"]
         assert err["error"]["type"] == "capacity_error" and err["error"]["event_id"] == "f"
     await wait_quiescent(rate_server)
