@@ -50,6 +50,7 @@ from websockets.typing import Subprotocol
 from protocol.codec import encode_client_event, parse_server_event, sniff_media
 from protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
 from protocol.events import (
+    ChunkLimits,
     ErrorEvent,
     FrameAppendEvent,
     FrameFormat,
@@ -366,11 +367,14 @@ class RealtimeSession:
         frame_format: FrameFormat | None = None,
         model: str | None = None,
         resumable: ResumableConfig | Mapping[str, Any] | None = None,
+        limits: ChunkLimits | Mapping[str, Any] | None = None,
         timeout: _Timeout = _DEFAULT,
     ) -> SessionOpenedEvent:
         """Send ``session.open`` and return the server's ``session.opened``.
 
         ``resumable={"grace_s": N}`` makes the session resilient (see the module docstring).
+        ``limits={"max_chunk_tokens": 32, "max_clip_frames": 2}`` caps this session's chunks
+        below the server's, for a smaller KV reservation (``opened.reservation``).
 
         ``config`` gives all settings at once; keyword arguments override its fields
         (``retention`` and ``sampling`` may be dicts, e.g. ``{"window_chunks": 4}``).
@@ -393,6 +397,7 @@ class RealtimeSession:
             "frame_format": frame_format,
             "model": model,
             "resumable": _model(ResumableConfig, resumable),
+            "limits": _model(ChunkLimits, limits),
         }
         fields.update({k: v for k, v in overrides.items() if v is not None})
         event_id = self._new_id()
