@@ -77,6 +77,33 @@ def unbounded_footprint(max_model_len: int, block_size: int) -> Footprint:
     return Footprint(tokens=max_model_len, blocks=blocks_for(max_model_len, block_size) + 1)
 
 
+def _sinks(budget: dict[str, Any], bounds: ChunkBounds) -> tuple[int, int]:
+    """Tokens pinned by the sinks (the first chunks with their replies, or `sink_tokens`), and
+    the instructions' tokens to count with the window and the chunk in flight instead (without
+    sink chunks the first chunk is an ordinary one)."""
+    segment = bounds.chunk_tokens + bounds.reply_tokens
+    sink_chunks = int(budget.get("sink_chunks") or 0)
+    sink_tokens = int(budget.get("sink_tokens") or 0)
+    pinned = bounds.instructions_tokens + sink_chunks * segment if sink_chunks else 0
+    extra = 0 if sink_chunks else bounds.instructions_tokens
+    return max(sink_tokens, pinned), extra
+
+
+def _footprint(
+    sinks: int, window: int, remnants: int, in_flight: int, reply: int, block_size: int
+) -> Footprint:
+    tokens = sinks + window + remnants + in_flight + reply
+    return Footprint(
+        tokens=tokens,
+        blocks=blocks_for(tokens, block_size),
+        sinks=sinks,
+        window=window,
+        remnants=remnants,
+        chunk=in_flight,
+        reply=reply,
+    )
+
+
 def bounded_footprint(budget: dict[str, Any], bounds: ChunkBounds, block_size: int) -> Footprint:
     """Peak tokens and blocks of a session with this retention budget (see module docstring).
 
@@ -89,13 +116,7 @@ def bounded_footprint(budget: dict[str, Any], bounds: ChunkBounds, block_size: i
     if text_window is not None:
         return _split_footprint(budget, int(text_window), bounds, block_size)
     segment = chunk + reply  # a chunk and its kept reply
-    first_segment = segment + bounds.instructions_tokens
-    sink_chunks = int(budget.get("sink_chunks") or 0)
-    sink_tokens = int(budget.get("sink_tokens") or 0)
-    pinned = first_segment + (sink_chunks - 1) * segment if sink_chunks else 0
-    sinks = max(sink_tokens, pinned)
-    # Without sink chunks the first chunk (instructions included) is an ordinary segment.
-    extra = 0 if sink_chunks else bounds.instructions_tokens
+    sinks, extra = _sinks(budget, bounds)
     windows: list[int] = []
     if budget.get("window_chunks") is not None:
         windows.append(int(budget["window_chunks"]) * segment + extra)
@@ -103,17 +124,7 @@ def bounded_footprint(budget: dict[str, Any], bounds: ChunkBounds, block_size: i
         windows.append(int(budget["window_tokens"]))
     window = min(windows) if windows else 0
     remnants = 2 * (block_size - 1)
-    in_flight = chunk + extra
-    tokens = sinks + window + remnants + in_flight + reply
-    return Footprint(
-        tokens=tokens,
-        blocks=blocks_for(tokens, block_size),
-        sinks=sinks,
-        window=window,
-        remnants=remnants,
-        chunk=in_flight,
-        reply=reply,
-    )
+    return _footprint(sinks, window, remnants, chunk + extra, reply, block_size)
 
 
 def _split_footprint(
@@ -135,15 +146,7 @@ def _split_footprint(
     least one token), so that term is large: set `window_chunks` with a text window.
     """
     chunk = bounds.chunk_tokens
-    reply = bounds.reply_tokens
-    segment = chunk + reply
-    sink_chunks = int(budget.get("sink_chunks") or 0)
-    sink_tokens = int(budget.get("sink_tokens") or 0)
-    pinned = (
-        segment + bounds.instructions_tokens + (sink_chunks - 1) * segment if sink_chunks else 0
-    )
-    sinks = max(sink_tokens, pinned)
-    extra = 0 if sink_chunks else bounds.instructions_tokens
+    sinks, extra = _sinks(budget, bounds)
     frame_caps: list[int] = []
     held_frames: list[int] = []
     if budget.get("window_chunks") is not None:
@@ -156,17 +159,7 @@ def _split_footprint(
     runs = (min(held_frames) if held_frames else 0) + 1
     remnants = 2 * (block_size - 1) * runs
     window = frames + text_window + extra
-    in_flight = chunk + extra
-    tokens = sinks + window + remnants + in_flight + reply
-    return Footprint(
-        tokens=tokens,
-        blocks=blocks_for(tokens, block_size),
-        sinks=sinks,
-        window=window,
-        remnants=remnants,
-        chunk=in_flight,
-        reply=reply,
-    )
+    return _footprint(sinks, window, remnants, chunk + extra, bounds.reply_tokens, block_size)
 
 
 def budget_problem(footprint: Footprint, max_position: int, max_model_len: int) -> str | None:
@@ -228,14 +221,3 @@ def media_bounds(processor_config: dict[str, Any]) -> MediaBounds | None:
         return None
     temporal = int(video.get("temporal_patch_size", 1) or 1)
     return MediaBounds(image_tokens=image, clip_frame_tokens=per_step, temporal_patch=temporal)
-
-
-def max_clip_tokens(processor_config: dict[str, Any], max_frames: int) -> int | None:
-    """Most LLM tokens one clip of at most `max_frames` frames can become (Qwen-VL pairs
-    frames in time: temporal_patch_size frames per token row)."""
-    video = processor_config.get("video_processor", processor_config)
-    per_frame = max_image_tokens({"image_processor": video})
-    if per_frame is None:
-        return None
-    temporal = int(video.get("temporal_patch_size", 1) or 1)
-    return per_frame * math.ceil(max_frames / temporal)

@@ -25,6 +25,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from realtime.models.tiny_vlm import vision_chat_template
+
 # SmolLM2 special ids 3..7 are code-data markers never used in chat; they become Qwen's vision
 # tokens (same ids, new names).
 RENAMED_TOKENS = {
@@ -56,22 +58,8 @@ VISION_WEIGHTS = Path(__file__).parent / "data" / "smol_vlm_vision.safetensors"
 
 # Qwen2-VL's template, trimmed to what the service renders (as in tiny_vlm), with SmolLM2's own
 # default system prompt.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' or 'video' in part %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+CHAT_TEMPLATE = vision_chat_template(
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 )
 
 

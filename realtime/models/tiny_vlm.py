@@ -25,24 +25,31 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 
+
 # Qwen2-VL's template, trimmed to what the service renders: system/user/assistant turns whose
 # content is a string or a list of {"type": "text"|"image"|"video"} parts.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' or 'video' in part %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+def vision_chat_template(default_system: str) -> str:
+    """Qwen2-VL's chat template, trimmed to what the service renders, with this default
+    system prompt (also smol_vlm's)."""
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\n" + default_system + "<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' or 'image' in part %}"
+        "<|vision_start|><|image_pad|><|vision_end|>"
+        "{% elif part['type'] == 'video' or 'video' in part %}"
+        "<|vision_start|><|video_pad|><|vision_end|>"
+        "{% elif 'text' in part %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CHAT_TEMPLATE = vision_chat_template("You are a helpful assistant.")
 
 _CORPUS = [
     "a person is sitting at a desk in front of a laptop",

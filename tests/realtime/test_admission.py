@@ -19,7 +19,6 @@ from realtime.admission import (
     blocks_for,
     bounded_footprint,
     budget_problem,
-    max_clip_tokens,
     max_image_tokens,
     media_bounds,
 )
@@ -126,8 +125,6 @@ def test_frame_tokens_from_the_processor_config() -> None:
         },
     }
     assert max_image_tokens(config) == 64  # 224x224 at most: (224/28)^2
-    assert max_clip_tokens(config, 16) == 8 * 64
-    assert max_clip_tokens(config, 3) == 2 * 64
     assert max_image_tokens({}) is None
     bounds = media_bounds(config)
     assert bounds is not None

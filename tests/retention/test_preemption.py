@@ -57,7 +57,12 @@ def filler(n: int, seed: int) -> list[int]:
 
 
 async def plain(
-    engine: Any, prompt: list[int], *, max_tokens: int = 4, read_cache: bool = True
+    engine: Any,
+    prompt: list[int],
+    *,
+    max_tokens: int = 4,
+    read_cache: bool = True,
+    multi_modal_data: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[dict[int, float]], int]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -69,20 +74,25 @@ async def plain(
         ignore_eos=True,
         skip_reading_prefix_cache=not read_cache,
     )
+    request = TokensPrompt(prompt_token_ids=prompt)
+    if multi_modal_data is not None:
+        request["multi_modal_data"] = multi_modal_data
     final: Any = None
-    async for out in engine.generate(
-        TokensPrompt(prompt_token_ids=prompt), params, request_id=f"plain-{uuid.uuid4().hex[:8]}"
-    ):
+    async for out in engine.generate(request, params, request_id=f"plain-{uuid.uuid4().hex[:8]}"):
         final = out
     completion = final.outputs[0]
     lps = [{t: lp.logprob for t, lp in entry.items()} for entry in completion.logprobs]
     return list(completion.token_ids), lps, int(final.num_cached_tokens or 0)
 
 
-async def probe_matches_cold(engine: Any, prompt: list[int]) -> int:
+async def probe_matches_cold(
+    engine: Any, prompt: list[int], multi_modal_data: dict[str, Any] | None = None
+) -> int:
     """(b): the probe equals a run that reads no cache; returns the tokens it found cached."""
-    tokens, lps, cached = await plain(engine, prompt)
-    cold_tokens, cold_lps, _ = await plain(engine, prompt, read_cache=False)
+    tokens, lps, cached = await plain(engine, prompt, multi_modal_data=multi_modal_data)
+    cold_tokens, cold_lps, _ = await plain(
+        engine, prompt, read_cache=False, multi_modal_data=multi_modal_data
+    )
     assert tokens == cold_tokens, (len(prompt), cached, tokens, cold_tokens)
     for got, want in zip(lps, cold_lps, strict=True):
         for tok, lp in got.items():

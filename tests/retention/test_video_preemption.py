@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from retention.vllm_adapter.introspect import kv_stats, retention_state
+from tests.retention.test_preemption import probe_matches_cold
 from tests.retention.test_video_retention import (
     TOLERANCE,
     Chunk,
@@ -42,8 +43,6 @@ from tests.retention.test_video_retention import (
 )
 
 pytestmark = pytest.mark.slow
-
-PROBE_TOLERANCE = 1e-4
 
 
 def media_token_ids(model: Any) -> tuple[int, int]:
@@ -92,41 +91,6 @@ def dense_logprobs(
     with torch.no_grad():
         out = model(inputs_embeds=embeds, position_ids=positions, attention_mask=mask)
     return torch.log_softmax(out.logits[0, rows].float(), dim=-1)
-
-
-async def plain(
-    engine: Any, tokens: list[int], media: Chunk | None, *, read_cache: bool
-) -> tuple[list[int], list[dict[int, float]], int]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(
-        max_tokens=3,
-        temperature=0.0,
-        logprobs=5,
-        ignore_eos=True,
-        skip_reading_prefix_cache=not read_cache,
-    )
-    prompt = TokensPrompt(prompt_token_ids=tokens)
-    if media is not None:
-        prompt["multi_modal_data"] = media.multi_modal_data  # type: ignore[typeddict-item]
-    final: Any = None
-    async for out in engine.generate(prompt, params, request_id=f"plain-{uuid.uuid4().hex[:8]}"):
-        final = out
-    completion = final.outputs[0]
-    lps = [{t: lp.logprob for t, lp in entry.items()} for entry in completion.logprobs]
-    return list(completion.token_ids), lps, int(final.num_cached_tokens or 0)
-
-
-async def probe_matches_cold(engine: Any, tokens: list[int], media: Chunk | None) -> int:
-    got, lps, cached = await plain(engine, tokens, media, read_cache=True)
-    cold, cold_lps, _ = await plain(engine, tokens, media, read_cache=False)
-    assert got == cold, (len(tokens), cached, got, cold)
-    for mine, want in zip(lps, cold_lps, strict=True):
-        for tok, lp in mine.items():
-            if tok in want:
-                assert abs(lp - want[tok]) < PROBE_TOLERANCE, (tok, lp, want[tok])
-    return cached
 
 
 async def send(
@@ -180,7 +144,7 @@ async def test_preempted_video_session_resumes_as_a_fresh_prefill(
     session = VideoSession(engine, budget)
     chunks: list[Chunk] = []
     replies: list[list[int]] = []
-    probes: list[tuple[list[int], Chunk | None]] = []
+    probes: list[tuple[list[int], dict[str, Any] | None]] = []
     try:
         for i in range(7):
             chunk_prompt, chunk = make_chunk(processor, i, seed=500, video_every=3)
@@ -250,7 +214,7 @@ async def test_preempted_video_session_resumes_as_a_fresh_prefill(
         # (b) Probes: the original prefix through the first frame, and the compacted content
         # up to its first held item (each a valid plain prompt: whole items, at most one).
         first_frame = [*chunks[0].token_ids, *replies[0][:-1], *chunks[1].token_ids]
-        probes.append((first_frame, chunks[1]))
+        probes.append((first_frame, chunks[1].multi_modal_data))
         # The compacted content up to its first held item: sinks and remnants, orphaned
         # placeholders included (a plain prompt without media reads them as text, as the
         # resumed session does), so the block hashes match the resume's rebuilt chain.
