@@ -64,6 +64,11 @@ Requests that are not streaming sessions take none of these paths: they get vLLM
 collector from vLLM's own `add_request`; the abort wrapper finds no input-stream task for them
 and the output wrapper looks only at ABORT/ERROR outputs of sessions whose stream is open.
 
+vLLM's own input loop (`AsyncLLM._add_streaming_input_request`) runs unchanged: (a) swaps the
+collector it returns for ours in place, before its input task first runs, and (b, c, d) act in a
+wrapper of `AsyncLLM._add_request`, through which that loop sends every chunk and the
+end-of-stream request. A vLLM fix to the loop therefore stays in effect.
+
 Everything is installed by `install_streaming_hardening()` from the plugin's `register()`, in
 every vLLM process (only the front end ever calls it); it is idempotent.
 """
@@ -75,10 +80,10 @@ import copy
 import logging
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Final
 
-from vllm.outputs import STREAM_FINISHED, PoolingRequestOutput, RequestOutput
+from vllm.outputs import PoolingRequestOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.output_processor import RequestOutputCollector, RequestState
 
@@ -86,12 +91,10 @@ from retention.policy import REQUEST_ARGS_KEY
 
 if TYPE_CHECKING:
     from vllm.engine.protocol import StreamingInput
-    from vllm.lora.request import LoRARequest
     from vllm.pooling_params import PoolingParams
     from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.output_processor import OutputProcessor, OutputProcessorOutput
-    from vllm.v1.kv_hints import KvHintsEnvelope
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +155,57 @@ class StreamingOutputCollector(RequestOutputCollector):  # type: ignore[misc]
         self, output_kind: RequestOutputKind, request_id: str, external_id: str | None = None
     ):
         super().__init__(output_kind, request_id)
+        self._init_session(request_id if external_id is None else external_id, None, False)
+
+    def _init_session(
+        self,
+        external_id: str,
+        input_stream: AsyncGenerator[StreamingInput, None] | None,
+        bounded: bool,
+    ) -> None:
         # The client's id, for `abort(external_id)`; request_id is the internal one.
-        self.external_id = request_id if external_id is None else external_id
+        self.external_id = external_id
+        self.bounded = bounded
+        self.chunks_sent = 0
+        self._input_stream = input_stream
+        self._over = False
         self._pending: deque[RequestOutput | PoolingRequestOutput | Exception] = deque()
 
+    @classmethod
+    def adopt(
+        cls,
+        collector: RequestOutputCollector,
+        external_id: str,
+        input_stream: AsyncGenerator[StreamingInput, None],
+        *,
+        bounded: bool,
+    ) -> StreamingOutputCollector:
+        """Turn the collector vLLM just built for a streaming session into this class, in
+        place: vLLM's input-stream task already holds that very object. Nothing was put yet."""
+        if type(collector) is not RequestOutputCollector or collector.output is not None:
+            raise TypeError(
+                f"cannot adopt {type(collector).__name__} (vLLM 0.32's fresh collector expected)"
+            )
+        collector.__class__ = cls
+        adopted: StreamingOutputCollector = collector
+        adopted._init_session(external_id, input_stream, bounded)
+        return adopted
+
+    async def end_input(self) -> None:
+        """The session is over: close the client's input stream; vLLM's input loop ends next
+        (its `InputStreamError` is then dropped, no consumer is left to read it)."""
+        self._over = True
+        stream, self._input_stream = self._input_stream, None
+        if stream is None:
+            return
+        try:
+            await stream.aclose()
+        except Exception:
+            logger.exception("closing the input stream of %s failed", self.external_id)
+
     def put(self, output: RequestOutput | PoolingRequestOutput | Exception) -> None:
+        if self._over and isinstance(output, Exception):
+            return
         pending = self._pending
         last = pending[-1] if pending else None
         if isinstance(last, Exception):
@@ -209,127 +258,84 @@ def _input_streams(engine: AsyncLLM) -> weakref.WeakValueDictionary[str, Streami
     return streams
 
 
-async def _add_streaming_input_request(
-    self: AsyncLLM,
-    request_id: str,
-    input_stream: AsyncGenerator[StreamingInput, None],
-    sampling_params: SamplingParams | PoolingParams,
-    arrival_time: float | None = None,
-    lora_request: LoRARequest | None = None,
-    tokenization_kwargs: dict[str, Any] | None = None,
-    trace_headers: Mapping[str, str] | None = None,
-    priority: int = 0,
-    data_parallel_rank: int | None = None,
-    session_id: str | None = None,
-    kv_hints: KvHintsEnvelope | None = None,
-) -> RequestOutputCollector:
-    """Replaces `AsyncLLM._add_streaming_input_request` (0.32). Same protocol to EngineCore;
-    differences, each marked below: our collector (a), tags (c), the liveness re-check before
-    every non-first chunk and before end-of-stream (b, c), and registration for `abort` (c)."""
-    from vllm import TokensPrompt
-    from vllm.exceptions import VLLMValidationError
-    from vllm.renderers.inputs.preprocess import extract_prompt_components
-    from vllm.v1.engine.async_llm import InputStreamError
+class _SessionOver(Exception):
+    """Raised into vLLM's input loop to end it: the session is over, its next chunk unsent."""
 
-    self._validate_streaming_input_sampling_params(sampling_params)
-    if not isinstance(sampling_params, SamplingParams):  # refused by the validation above
-        raise TypeError("streaming input needs SamplingParams")
 
-    inputs: dict[str, Any] = dict(
-        supported_tasks=await self.get_supported_tasks(),
-        arrival_time=arrival_time,
-        lora_request=lora_request,
-        tokenization_kwargs=tokenization_kwargs,
-        trace_headers=trace_headers,
-        priority=priority,
-        data_parallel_rank=data_parallel_rank,
-        session_id=session_id,
-        kv_hints=kv_hints,
-    )
+AddStreamingFn = Callable[..., Coroutine[Any, Any, RequestOutputCollector]]
+AddRequestFn = Callable[..., Coroutine[Any, Any, None]]
 
-    if not sampling_params.skip_clone:
-        sampling_params = sampling_params.clone()
-        sampling_params.skip_clone = True
 
-    # Built for validation, and sent as the end-of-stream signal once the input stream closes.
-    final_req = self.input_processor.process_inputs(
-        request_id=request_id,
-        prompt=TokensPrompt(prompt_token_ids=[0]),
-        params=sampling_params,
-        **inputs,
-    )
-    self.input_processor.assign_request_id(final_req)
-    internal_req_id = final_req.request_id
-    tag_stream_role(final_req, END)  # (c) RetentionScheduler drops it for an unknown id
+def _make_add_streaming_input_request(original: AddStreamingFn) -> AddStreamingFn:
+    """Wraps `AsyncLLM._add_streaming_input_request` (0.32) instead of copying it.
 
-    # (a) a collector that never merges across a chunk boundary.
-    queue = StreamingOutputCollector(sampling_params.output_kind, internal_req_id, request_id)
-    output_processor = self.output_processor
-    bounded = bool(sampling_params.extra_args) and REQUEST_ARGS_KEY in sampling_params.extra_args
+    vLLM's method builds a `RequestOutputCollector`, starts the input-stream task and returns
+    the collector, with no await between starting the task and returning: the task has not
+    run yet when the wrapper gets the collector. The wrapper turns it into a
+    `StreamingOutputCollector` in place (a) and registers it for `abort` (c). Every send of
+    the task goes through `_add_request`, where `_make_add_request` tags, re-checks and skips
+    (b, c, d); vLLM's input loop itself runs unchanged."""
 
-    async def handle_inputs() -> None:
-        cancelled = False
-        errored = False
-        session_over = False
-        any_added = False
-        try:
-            async for input_chunk in input_stream:
-                sp = input_chunk.sampling_params
-                if sp:
-                    self._validate_streaming_input_sampling_params(sp)
-                else:
-                    sp = sampling_params
-                req = self.input_processor.process_inputs(
-                    request_id=internal_req_id,
-                    prompt=input_chunk.prompt,
-                    params=sp,
-                    resumable=True,
-                    **inputs,
-                )
-                req.external_req_id = request_id
-                if req.prompt_embeds is not None:
-                    raise VLLMValidationError("prompt_embeds not supported for streaming inputs")
-                prompt_text, _, _ = extract_prompt_components(self.model_config, input_chunk.prompt)
-                if any_added:
-                    # (b, c) The session ended (engine abort/error, or aborted): never send a
-                    # chunk for it, vLLM would register it as a new request on both sides.
-                    # No await between this check and `_add_request`'s registration.
-                    if not output_processor.has_request(internal_req_id):
-                        session_over = True
-                        break
-                    tag_stream_role(req, CONTINUATION)
-                await self._add_request(req, prompt_text, None, 0, queue)
-                state = output_processor.request_states.get(internal_req_id)
-                if not any_added and bounded and state is not None:
-                    # (e) from now on this session's front-end prompt is one chunk long.
-                    setattr(state, _BOUNDED_ATTR, True)
-                any_added = True
-        except (asyncio.CancelledError, GeneratorExit):
-            cancelled = True
-        except Exception as error:
-            # Wrapped so that generate() re-raises the client's own error.
-            queue.put(InputStreamError(error))
-            errored = True
-        finally:
-            queue._input_stream_task = None
-            if session_over:
-                try:
-                    await input_stream.aclose()
-                except Exception:
-                    logger.exception("closing the input stream of %s failed", request_id)
-            elif not cancelled:
-                if any_added:
-                    # (d) No end-of-stream for a session that is already over: EngineCore
-                    # would run the `[0]` prompt as a new request (a placeholder generation).
-                    if output_processor.has_request(internal_req_id):
-                        await self._add_request(final_req, None, None, 0, queue)
-                elif not errored:
-                    queue.put(STREAM_FINISHED)
+    async def _add_streaming_input_request(
+        self: AsyncLLM,
+        request_id: str,
+        input_stream: AsyncGenerator[StreamingInput, None],
+        sampling_params: SamplingParams | PoolingParams,
+        *args: Any,
+        **kwargs: Any,
+    ) -> RequestOutputCollector:
+        queue = await original(self, request_id, input_stream, sampling_params, *args, **kwargs)
+        extra = getattr(sampling_params, "extra_args", None) or {}
+        stream = StreamingOutputCollector.adopt(
+            queue, request_id, input_stream, bounded=REQUEST_ARGS_KEY in extra
+        )
+        _input_streams(self)[stream.request_id] = stream  # (c) found by `abort`
+        return stream
 
-    self._run_output_handler()
-    _input_streams(self)[internal_req_id] = queue  # (c) found by `abort`
-    queue._input_stream_task = asyncio.create_task(handle_inputs())
-    return queue
+    _add_streaming_input_request.__doc__ = original.__doc__
+    return _add_streaming_input_request
+
+
+def _make_add_request(original: AddRequestFn) -> AddRequestFn:
+    """Wraps `AsyncLLM._add_request` for the sends of a streaming session's input loop.
+
+    A session's first chunk goes as vLLM sends it. Before a later chunk or the end-of-stream
+    request, the front end must still know the session (b, c): if it ended (engine abort or
+    error, or aborted), a chunk would register as a new request on both sides and an
+    end-of-stream `[0]` would run as a placeholder generation (d); instead the chunk ends the
+    input loop and the end-of-stream is not sent. No await between this check and vLLM's
+    registration. What is sent is tagged (`STREAM_ROLE_KEY`) so that `RetentionScheduler`
+    drops what still reaches it for an id it no longer knows."""
+
+    async def _add_request(
+        self: AsyncLLM,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent_req: Any,
+        index: int,
+        queue: RequestOutputCollector,
+    ) -> None:
+        if not isinstance(queue, StreamingOutputCollector):
+            await original(self, request, prompt, parent_req, index, queue)
+            return
+        chunk = bool(request.resumable)
+        if queue.chunks_sent:
+            if not self.output_processor.has_request(request.request_id):
+                if chunk:
+                    await queue.end_input()
+                    raise _SessionOver(request.request_id)
+                return
+            tag_stream_role(request, CONTINUATION if chunk else END)
+        await original(self, request, prompt, parent_req, index, queue)
+        if chunk and queue.chunks_sent == 0 and queue.bounded:
+            # (e) from now on this session's front-end prompt is one chunk long.
+            state = self.output_processor.request_states.get(request.request_id)
+            if state is not None:
+                setattr(state, _BOUNDED_ATTR, True)
+        queue.chunks_sent += chunk
+
+    _add_request.__doc__ = original.__doc__
+    return _add_request
 
 
 async def stop_input_streams(engine: AsyncLLM, request_ids: Iterable[str], internal: bool) -> None:
@@ -474,8 +480,12 @@ def install_streaming_hardening() -> None:
 
     if getattr(AsyncLLM, _INSTALLED_ATTR, False):
         return
-    # (a, c, d) our input loop and collector for streaming sessions only.
-    AsyncLLM._add_streaming_input_request = _add_streaming_input_request
+    # (a, c) our collector for streaming sessions, registered for `abort`.
+    AsyncLLM._add_streaming_input_request = _make_add_streaming_input_request(
+        AsyncLLM._add_streaming_input_request
+    )
+    # (b, c, d) tags, the liveness re-check and no end-of-stream for a session that is over.
+    AsyncLLM._add_request = _make_add_request(AsyncLLM._add_request)
     # (c) stop a session's input stream before aborting it.
     AsyncLLM.abort = _make_abort(AsyncLLM.abort)
     # (b) engine-side ABORT/ERROR is terminal for a streaming session.

@@ -229,15 +229,27 @@ async def test_b_engine_abort_ends_the_session(smollm2_engine: Any) -> None:
     engine = smollm2_engine
     rid = unique_id("b-engine-abort")
     more = asyncio.Event()
-    sent_second = False
+    input_closed = asyncio.Event()
 
     async def inputs() -> AsyncIterator[StreamingInput]:
-        nonlocal sent_second
-        yield chunk(token_ids(8, seed=200))
-        await more.wait()
-        sent_second = True
-        yield chunk(token_ids(8, seed=201))
+        try:
+            yield chunk(token_ids(8, seed=200))
+            await more.wait()
+            yield chunk(token_ids(8, seed=201))
+        finally:
+            input_closed.set()
 
+    # Every request the front end sends to EngineCore: after the abort, none for this session
+    # (the front end's own re-check, not only RetentionScheduler's rejection of a late chunk).
+    sent: list[str] = []
+    core = engine.engine_core
+    add_request_async = core.add_request_async
+
+    async def spy(request: Any) -> None:
+        sent.append(request.request_id)
+        await add_request_async(request)
+
+    core.add_request_async = spy
     gen = engine.generate(inputs(), stream_params(), rid)
     internal: list[str] = []
     try:
@@ -247,15 +259,19 @@ async def test_b_engine_abort_ends_the_session(smollm2_engine: Any) -> None:
         await engine.pause_generation(mode="abort", clear_cache=False)
         await engine.resume_generation()
         aborted = await next_output(gen)
+        sent_before = sent.count(internal[0])
         more.set()
         assert completion(aborted).finish_reason == "abort"
         assert aborted.finished, "an engine abort was taken as a chunk boundary"
         with pytest.raises(StopAsyncIteration):
             await next_output(gen)
+        await asyncio.wait_for(input_closed.wait(), STEP_TIMEOUT_S)
         await asyncio.sleep(0.3)
         assert await engine_holds(engine, rid) == (0, 0)
-        assert not sent_second or internal[0] not in engine.output_processor.request_states
+        assert sent.count(internal[0]) == sent_before == 1, sent
+        assert internal[0] not in engine.output_processor.request_states
     finally:
+        core.add_request_async = add_request_async
         more.set()
         await gen.aclose()
         await force_cleanup(engine, internal)
