@@ -18,13 +18,14 @@ complete up to ``num_computed_tokens``.
   ``block_hashes``, multimodal offsets), and prefix-cache reads are switched off for the request
   (its remaining hashes describe the uncompacted chain). The worker mirrors it for free: vLLM
   sends a folded continuation to the worker as a new request carrying its full block table.
+* Fold control. At the first chunk and at every fold the worker is sent one typed, versioned
+  record, :class:`~retention.vllm_adapter.fold_control.FoldControl` (``fold_control.py``): fold
+  number, position offset, tokens held before the eviction, the ranges evicted, re-prefill or
+  not, preemptions so far. The worker checks it.
 * Positions (1D RoPE). Survivors keep their original positions; a token computed now is at
-  ``cache index + offset`` with ``offset = position cursor - tokens held``, sent to the worker in
-  ``extra_args[POSITION_OFFSET_KEY]`` (see ``positions.py``).
+  ``cache index + offset`` with ``offset = position cursor - tokens held`` (``positions.py``).
 * Positions (mRoPE). The worker keeps each session's 3-D position tensor and slices/extends
-  it itself (see ``mrope.py``); at every fold it is sent an :class:`MRopeFold` (fold number,
-  tokens held before the eviction, the ranges evicted, re-prefill or not) in
-  ``extra_args[MROPE_FOLD_KEY]``. The 1D cursor of the policy counts tokens, which bounds the
+  it itself from the record (see ``mrope.py``). The 1D cursor of the policy counts tokens, which bounds the
   mRoPE positions from above (text advances one position per token, an image or clip of t×h×w
   tokens advances max(t, h, w)), so consolidating on it is safe, if early.
 * Multimodal items. A feature whose placeholders lie (even partly) in a freed range is dropped
@@ -77,9 +78,8 @@ from retention.policy import (
     eviction_rounds,
     needs_consolidation,
 )
+from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, with_offset_reset
 from retention.vllm_adapter.kv_range import evict_token_range_for_request
-from retention.vllm_adapter.mrope import MRopeFold, set_fold
-from retention.vllm_adapter.positions import POSITION_OFFSET_KEY
 
 
 class RetentionConfigError(ValueError):
@@ -124,13 +124,6 @@ def chunk_head(sampling_params: Any) -> int:
     extra = getattr(sampling_params, "extra_args", None) or {}
     head = extra.get(CHUNK_HEAD_KEY, 0)
     return head if isinstance(head, int) and not isinstance(head, bool) and head > 0 else 0
-
-
-def _set_offset(request: Any, offset: int) -> None:
-    params = request.sampling_params
-    extra = dict(params.extra_args or {})
-    extra[POSITION_OFFSET_KEY] = int(offset)
-    params.extra_args = extra
 
 
 def _merge_freed(
@@ -208,9 +201,7 @@ class SessionRetention:
             pending_prompt=int(request.num_prompt_tokens),
             pending_head=0,
         )
-        _set_offset(request, 0)
-        if self.uses_mrope:
-            set_fold(request.sampling_params, MRopeFold(fold=0, reset=True))
+        set_fold_control(request.sampling_params, FoldControl(fold=0, reset=True))
 
     def on_finished(self, request_id: str) -> None:
         self.sessions.pop(request_id, None)
@@ -274,19 +265,18 @@ class SessionRetention:
             self._reprefill(request)
             reset = True
         state.history = history
-        _set_offset(request, history.next_position() - history.num_tokens)
-        if self.uses_mrope:
-            state.fold += 1
-            set_fold(
-                request.sampling_params,
-                MRopeFold(
-                    fold=state.fold,
-                    held_before=computed,
-                    evicted=tuple(sorted(freed)),
-                    reset=reset,
-                    preemptions=state.preemptions,
-                ),
-            )
+        state.fold += 1
+        set_fold_control(
+            request.sampling_params,
+            FoldControl(
+                fold=state.fold,
+                position_offset=history.next_position() - history.num_tokens,
+                held_before=computed,
+                evicted=tuple(sorted(freed)),
+                reset=reset,
+                preemptions=state.preemptions,
+            ),
+        )
         return self._does_not_fit(request, state, incoming)
 
     def _record(
@@ -345,7 +335,7 @@ class SessionRetention:
         request.block_hashes.clear()
         request.update_block_hashes()
         request.skip_reading_prefix_cache = True
-        _set_offset(request, 0)
+        with_offset_reset(request.sampling_params)
 
     def _drop_remnants(
         self, request: Any, state: SessionRetentionState, history: SessionHistory

@@ -28,15 +28,13 @@ After a consolidation (the scheduler's self-preempting re-prefill) the stock com
 once over the compacted prompt: the survivors are renumbered as a fresh prefill.
 
 Scheduler/worker protocol (they cannot drift silently). At every fold the scheduler
-(``eviction.py``) puts an :class:`MRopeFold` into ``SamplingParams.extra_args[MROPE_FOLD_KEY]``:
-a fold sequence number, the number of tokens the cache held before this fold's eviction, the
-ranges evicted at this fold (in those pre-eviction coordinates) and whether the request is being
-re-prefilled. vLLM sends each folded continuation to the worker as a full ``NewRequestData``
-with those sampling params, so the worker sees every fold exactly once and in order. The worker
-checks that the fold number is the previous one + 1, that the old tensor covers the previous
-prompt, and that held columns == the new ``num_computed_tokens``; any mismatch raises
-:class:`MRopeSyncError` (loud, instead of wrong positions). Requests without the key take the
-stock path.
+(``eviction.py``) sends a :class:`~retention.vllm_adapter.fold_control.FoldControl`: a fold
+sequence number, the number of tokens the cache held before this fold's eviction, the ranges
+evicted at this fold (in those pre-eviction coordinates) and whether the request is being
+re-prefilled. The worker checks the record (``accept_fold``: version, sequence, preemptions),
+that the old tensor covers the previous prompt, and that held columns == the new
+``num_computed_tokens``; any mismatch raises :class:`MRopeSyncError` or ``FoldControlError``
+(loud, instead of wrong positions). Requests without the record take the stock path.
 
 The patch wraps ``GPUModelRunner._init_mrope_positions`` (called for a new request and for each
 streaming update, after the cached state got the new prompt, features and computed count);
@@ -58,68 +56,27 @@ cursor would then no longer bound the mRoPE positions).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Final
 
+from retention.vllm_adapter.fold_control import (
+    FoldControl,
+    FoldControlError,
+    accept_fold,
+    fold_control_of,
+    note_resume,
+)
 from retention.vllm_adapter.import_hooks import patch_on_import
 
-MROPE_FOLD_KEY: Final = "vllm_realtime_mrope_fold"
 _RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
 _PATCHED: Final = "_vllm_realtime_mrope_patched"
-_FOLD_ATTR: Final = "_vllm_realtime_mrope_fold"
-_RESUMES_ATTR: Final = "_vllm_realtime_resumes"
 _STOCK_INIT: Final = "_vllm_realtime_stock_init_mrope_positions"
 
 
-class MRopeSyncError(RuntimeError):
-    """The worker's mRoPE positions and the scheduler's fold messages disagree."""
-
-
-@dataclass(frozen=True)
-class MRopeFold:
-    """What the worker must do with a session's mRoPE positions at one fold."""
-
-    fold: int
-    held_before: int = 0
-    evicted: tuple[tuple[int, int], ...] = ()
-    reset: bool = False
-    # Preemptions of the session so far: the worker resets positions at each resume on its own
-    # (preemption.py) and checks that it saw as many as the scheduler made.
-    preemptions: int = 0
-
-    def to_args(self) -> dict[str, Any]:
-        return {
-            "fold": self.fold,
-            "held_before": self.held_before,
-            "evicted": [[a, b] for a, b in self.evicted],
-            "reset": self.reset,
-            "preemptions": self.preemptions,
-        }
-
-    @classmethod
-    def from_args(cls, raw: Mapping[str, Any]) -> MRopeFold:
-        return cls(
-            fold=int(raw["fold"]),
-            held_before=int(raw.get("held_before", 0)),
-            evicted=tuple((int(a), int(b)) for a, b in raw.get("evicted", ())),
-            reset=bool(raw.get("reset", False)),
-            preemptions=int(raw.get("preemptions", 0)),
-        )
-
-
-def set_fold(sampling_params: Any, fold: MRopeFold) -> None:
-    extra = dict(sampling_params.extra_args or {})
-    extra[MROPE_FOLD_KEY] = fold.to_args()
-    sampling_params.extra_args = extra
-
-
-def fold_of(sampling_params: Any) -> MRopeFold | None:
-    extra = getattr(sampling_params, "extra_args", None)
-    if not extra or MROPE_FOLD_KEY not in extra:
-        return None
-    return MRopeFold.from_args(extra[MROPE_FOLD_KEY])
+class MRopeSyncError(FoldControlError):
+    """The worker's mRoPE positions and the scheduler's fold control disagree."""
 
 
 # --------------------------------------------------------------------------- pure tensor ops
@@ -193,7 +150,7 @@ def _chunk_features(features: Sequence[Any], held: int) -> list[Any]:
     return local
 
 
-def _extend_positions(runner: Any, req_state: Any, fold: MRopeFold) -> None:
+def _extend_positions(runner: Any, req_state: Any, fold: FoldControl) -> None:
     old = req_state.mrope_positions
     if old is None or req_state.mrope_position_delta is None:
         raise MRopeSyncError(f"request {req_state.req_id} has no mRoPE positions to extend")
@@ -224,40 +181,19 @@ def _patch_runner(module: ModuleType) -> None:
     original = runner_cls._init_mrope_positions
 
     def _init_mrope_positions(self: Any, req_state: Any) -> None:
-        fold = fold_of(req_state.sampling_params)
+        fold = fold_control_of(req_state.sampling_params)
         if fold is None:
             original(self, req_state)
             return
-        last: int | None = getattr(req_state, _FOLD_ATTR, None)
-        expected = 0 if last is None else last + 1
-        if fold.fold != expected or (last is None and not fold.reset):
-            raise MRopeSyncError(
-                f"request {req_state.req_id}: mRoPE fold {fold.fold} received, expected "
-                f"{expected}{' (a reset)' if last is None else ''}"
-            )
-        resumes = resumes_seen(req_state)
-        if fold.preemptions != resumes:
-            raise MRopeSyncError(
-                f"request {req_state.req_id}: the scheduler preempted it {fold.preemptions} "
-                f"times, the worker saw {resumes} resumes"
-            )
+        accept_fold(req_state, fold)
         if fold.reset:
             original(self, req_state)  # a fresh prefill: positions over the whole prompt
         else:
             _extend_positions(self, req_state, fold)
-        setattr(req_state, _FOLD_ATTR, fold.fold)
 
     setattr(runner_cls, _STOCK_INIT, original)
     runner_cls._init_mrope_positions = _init_mrope_positions
     setattr(runner_cls, _PATCHED, True)
-
-
-def resumes_seen(req_state: Any) -> int:
-    return int(getattr(req_state, _RESUMES_ATTR, 0))
-
-
-def note_resume(req_state: Any) -> None:
-    setattr(req_state, _RESUMES_ATTR, resumes_seen(req_state) + 1)
 
 
 def reset_after_preemption(runner: Any, req_state: Any) -> None:

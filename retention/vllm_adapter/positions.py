@@ -8,10 +8,12 @@ positions (their cached K was rotated at those), so a token computed now must be
 must stay as is) and for RoPE. We therefore add the per-request offset right AFTER the slot
 mapping is computed from it, so slots use cache indices and RoPE uses true positions.
 
-The offset travels in `SamplingParams.extra_args[POSITION_OFFSET_KEY]`, which the scheduler sets
-at each chunk fold; vLLM sends a streaming continuation to the worker as a new request with its
-sampling params, so the worker always sees the current value. Requests without the key (every
-request that did not ask for retention) add nothing. mRoPE models use their own position tensor
+The offset travels in the session's fold control record (`fold_control.py`), which the scheduler
+sets at each chunk fold; vLLM sends a streaming continuation to the worker as a new request with
+its sampling params, so the worker always sees the current value. For 1D models the worker
+checks each new record once (`accept_fold`, after vLLM updated its request states); mRoPE models
+check it in `mrope.py`. Requests without the record (every request that did not ask for
+retention) add nothing. mRoPE models use their own position tensor
 (handled separately) and are left untouched here.
 """
 
@@ -20,19 +22,12 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from retention.vllm_adapter.fold_control import accept_fold, fold_control_of, position_offset_of
 from retention.vllm_adapter.import_hooks import patch_on_import
 
-POSITION_OFFSET_KEY = "vllm_realtime_position_offset"
 _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 _BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
 _PATCHED = "_vllm_realtime_positions_patched"
-
-
-def request_offset(sampling_params: Any) -> int:
-    extra = getattr(sampling_params, "extra_args", None)
-    if not extra:
-        return 0
-    return int(extra.get(POSITION_OFFSET_KEY, 0))
 
 
 def _patch_runner(module: ModuleType) -> None:
@@ -46,7 +41,9 @@ def _patch_runner(module: ModuleType) -> None:
         table._vllm_realtime_offsets = None
         if not self.uses_mrope:
             offsets = [
-                request_offset(self.requests[rid].sampling_params) if rid in self.requests else 0
+                position_offset_of(self.requests[rid].sampling_params)
+                if rid in self.requests
+                else 0
                 for rid in self.input_batch.req_ids
             ]
             if any(offsets):
@@ -56,7 +53,23 @@ def _patch_runner(module: ModuleType) -> None:
         finally:
             table._vllm_realtime_offsets = None
 
+    original_update = runner_cls._update_states
+
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        result = original_update(self, scheduler_output)
+        if not self.uses_mrope:
+            # A folded continuation arrives as a new request: check its record once.
+            for new_req in scheduler_output.scheduled_new_reqs:
+                req_state = self.requests.get(new_req.req_id)
+                if req_state is None:
+                    continue
+                control = fold_control_of(req_state.sampling_params)
+                if control is not None:
+                    accept_fold(req_state, control)
+        return result
+
     runner_cls._prepare_inputs = _prepare_inputs
+    runner_cls._update_states = _update_states
     setattr(runner_cls, _PATCHED, True)
 
 

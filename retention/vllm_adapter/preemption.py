@@ -9,10 +9,10 @@ as for a fresh request (mRoPE).
 A resumed request reaches the worker as ``CachedRequestData`` with its id in
 ``resumed_req_ids`` and no sampling params: the worker keeps its own copy of them, which still
 carries the offset of the last fold. So the rule is applied here, to every resumed request
-whose params carry the retention offset key (set for every retention session at its first
-chunk), before vLLM's ``_update_states`` puts it back into the batch. The mRoPE fold record of
+whose params carry a fold control record (set for every retention session at its first chunk,
+``fold_control.py``), before vLLM's ``_update_states`` puts it back into the batch. The record of
 the next fold carries the scheduler's preemption count, checked against the resumes counted
-here (``mrope.py``). Requests without the key are untouched.
+here. Requests without the record are untouched.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any, Final
 
+from retention.vllm_adapter.fold_control import note_resume, with_offset_reset
 from retention.vllm_adapter.import_hooks import patch_on_import
-from retention.vllm_adapter.mrope import note_resume, reset_after_preemption
-from retention.vllm_adapter.positions import POSITION_OFFSET_KEY
+from retention.vllm_adapter.mrope import reset_after_preemption
 
 _RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
 _PATCHED: Final = "_vllm_realtime_preemption_patched"
@@ -33,13 +33,10 @@ def _reset_resumed(runner: Any, scheduler_output: Any) -> None:
         req_state = runner.requests.get(req_id)
         if req_state is None:
             continue
-        params = req_state.sampling_params
-        extra = getattr(params, "extra_args", None)
-        if not extra or POSITION_OFFSET_KEY not in extra:
+        # A new extra_args dict: in a uniprocess executor these params are the scheduler's own
+        # object, which on_preempted already set to the same value.
+        if not with_offset_reset(req_state.sampling_params):
             continue
-        # A new dict: in a uniprocess executor these params are the scheduler's own object,
-        # which on_preempted already set to the same value.
-        params.extra_args = {**extra, POSITION_OFFSET_KEY: 0}
         if runner.uses_mrope:
             reset_after_preemption(runner, req_state)
         else:

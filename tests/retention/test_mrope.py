@@ -20,14 +20,18 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
 from retention.vllm_adapter.eviction import SessionRetention
+from retention.vllm_adapter.fold_control import (
+    FOLD_CONTROL_KEY,
+    FoldControl,
+    FoldControlError,
+    fold_control_of,
+    set_fold_control,
+)
 from retention.vllm_adapter.mrope import (
-    MRopeFold,
     MRopeSyncError,
     _patch_runner,
     appended_positions,
-    fold_of,
     held_positions,
-    set_fold,
 )
 
 IMAGE_TOKEN = 7
@@ -79,9 +83,9 @@ def runner() -> FakeRunner:
     return FakeRunner()
 
 
-def request_state(tokens: list[int], features: list[Any], fold: MRopeFold) -> Any:
+def request_state(tokens: list[int], features: list[Any], fold: FoldControl) -> Any:
     params = SimpleNamespace(extra_args={})
-    set_fold(params, fold)
+    set_fold_control(params, fold)
     return SimpleNamespace(
         req_id="r",
         prompt_token_ids=tokens,
@@ -105,12 +109,28 @@ def make_chunk(rng: random.Random, start: int, index: int) -> tuple[list[int], l
     return tokens, features
 
 
-def test_fold_message_round_trip() -> None:
-    fold = MRopeFold(fold=3, held_before=90, evicted=((10, 42), (50, 60)), reset=False)
+def test_fold_control_round_trip_and_checks() -> None:
+    fold = FoldControl(
+        fold=3, position_offset=7, held_before=90, evicted=((10, 42), (50, 60)), preemptions=1
+    )
     params = SimpleNamespace(extra_args={"other": 1})
-    set_fold(params, fold)
-    assert fold_of(params) == fold and params.extra_args["other"] == 1
-    assert fold_of(SimpleNamespace(extra_args=None)) is None
+    set_fold_control(params, fold)
+    assert fold_control_of(params) == fold and params.extra_args["other"] == 1
+    assert fold_control_of(SimpleNamespace(extra_args=None)) is None
+    # The scheduler cannot build an invalid record ...
+    with pytest.raises(FoldControlError):
+        FoldControl(fold=1, held_before=10, evicted=((4, 8), (2, 3)))
+    with pytest.raises(FoldControlError):
+        FoldControl(fold=1, held_before=10, evicted=((4, 12),))
+    with pytest.raises(FoldControlError):
+        FoldControl(fold=-1)
+    # ... and the worker refuses one of another version, or a malformed one.
+    raw = dict(params.extra_args[FOLD_CONTROL_KEY])
+    for bad in ({**raw, "version": 2}, {k: v for k, v in raw.items() if k != "version"}):
+        with pytest.raises(FoldControlError, match="version"):
+            fold_control_of(SimpleNamespace(extra_args={FOLD_CONTROL_KEY: bad}))
+    with pytest.raises(FoldControlError, match="malformed"):
+        fold_control_of(SimpleNamespace(extra_args={FOLD_CONTROL_KEY: {**raw, "fold": None}}))
 
 
 def test_held_positions_adds_decoded_tokens_and_drops_evicted_columns() -> None:
@@ -144,7 +164,7 @@ def test_maintained_positions_equal_stock_positions_of_the_whole_history(
     # The whole history (every token ever sent), and which of its indices the cache holds.
     all_tokens, all_features = make_chunk(rng, 0, 0)
     held_ids = list(range(len(all_tokens)))
-    state = request_state(list(all_tokens), list(all_features), MRopeFold(fold=0, reset=True))
+    state = request_state(list(all_tokens), list(all_features), FoldControl(fold=0, reset=True))
     runner._init_mrope_positions(state)
     for k in range(1, folds + 1):
         # The previous chunk decoded a few tokens that vLLM keeps.
@@ -180,9 +200,9 @@ def test_maintained_positions_equal_stock_positions_of_the_whole_history(
             if all(i in index_of for i in range(f.mm_position.offset, _end(f)))
         ]
         state.num_computed_tokens = 0 if reset else len(held_ids)
-        set_fold(
+        set_fold_control(
             state.sampling_params,
-            MRopeFold(fold=k, held_before=held_before, evicted=tuple(evicted), reset=reset),
+            FoldControl(fold=k, held_before=held_before, evicted=tuple(evicted), reset=reset),
         )
         runner._init_mrope_positions(state)
         if reset:
@@ -222,16 +242,16 @@ def _stock_restricted(
 
 def test_fold_sequence_is_checked(runner: FakeRunner) -> None:
     tokens, features = [11, 12, 13], []
-    state = request_state(tokens, features, MRopeFold(fold=1, held_before=0))
-    with pytest.raises(MRopeSyncError, match="expected 0"):
+    state = request_state(tokens, features, FoldControl(fold=1, held_before=0))
+    with pytest.raises(FoldControlError, match="expected 0"):
         runner._init_mrope_positions(state)  # the first fold must be a reset
-    set_fold(state.sampling_params, MRopeFold(fold=0, reset=True))
+    set_fold_control(state.sampling_params, FoldControl(fold=0, reset=True))
     runner._init_mrope_positions(state)
     state.num_computed_tokens = 3
-    set_fold(state.sampling_params, MRopeFold(fold=2, held_before=3))
-    with pytest.raises(MRopeSyncError, match="expected 1"):
+    set_fold_control(state.sampling_params, FoldControl(fold=2, held_before=3))
+    with pytest.raises(FoldControlError, match="expected 1"):
         runner._init_mrope_positions(state)  # a fold went missing
-    set_fold(state.sampling_params, MRopeFold(fold=1, held_before=3, evicted=((0, 1),)))
+    set_fold_control(state.sampling_params, FoldControl(fold=1, held_before=3, evicted=((0, 1),)))
     with pytest.raises(MRopeSyncError, match="computed tokens"):
         runner._init_mrope_positions(state)  # 2 held, scheduler says 3
     # Requests without the key take the stock path.
