@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from realtime.chunk_grammar import ChunkGrammarScheduler
+from retention.vllm_adapter.chunk_grammar import ChunkGrammarScheduler
 from retention.vllm_adapter.introspect import _blocks_held, _find_request
 
 OLD_SUMMARY_METHOD = "vllm_realtime_bench_old_session_summary"

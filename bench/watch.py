@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from realtime.chunk_grammar import ChunkGrammarScheduler
+from retention.vllm_adapter.chunk_grammar import ChunkGrammarScheduler
 
 BUSY_METHOD = "vllm_realtime_bench_busy"
 

@@ -93,8 +93,8 @@ def build_engine_args(settings: EngineSettings) -> Any:
         mm_processor_cache_gb=0,
         async_scheduling=False,
         disable_log_stats=True,
-        # BoundedSessionScheduler plus per-chunk grammars (realtime/chunk_grammar.py).
-        scheduler_cls="realtime.chunk_grammar.ChunkGrammarScheduler",
+        # BoundedSessionScheduler plus per-chunk grammars (retention/vllm_adapter/chunk_grammar.py).
+        scheduler_cls="retention.vllm_adapter.chunk_grammar.ChunkGrammarScheduler",
         # Structured replies (realtime/structured.py) with xgrammar, in compact JSON: vLLM's xgrammar backend
         # reads this engine-wide flag, not the request's; with free whitespace the tiny VLM
         # padded every reply with newlines until max_tokens.

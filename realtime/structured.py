@@ -3,7 +3,7 @@
 Theory of operation: a reply format is checked once, when the client names it (session.open for
 the session's format, the chunk's own turn for a per-chunk override), and becomes
 `StructuredOutputsParams` on that chunk's `SamplingParams`. vLLM 0.32 does not carry a chunk's
-grammar into a streaming-input session by itself; `realtime/chunk_grammar.py` does.
+grammar into a streaming-input session by itself; `retention/vllm_adapter/chunk_grammar.py` does.
 The backend is vLLM's "auto" choice; on the CPU build that is xgrammar.
 """
 
