@@ -161,7 +161,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             block_size=32,
             max_num_seqs=16,
             dtype="float32",
-            extra={"scheduler_cls": f"{__name__}.OldPathScheduler"},
+            # By module path: run as __main__, this module must still be found by EngineCore.
+            extra={"scheduler_cls": "bench.rpc_ab.OldPathScheduler"},
         )
     )
     try:
@@ -185,7 +186,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=20, help="frames per arm before switching")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--kv-mib", type=int, default=96)
+    p.add_argument("--kv-mib", type=int, default=384)
     p.add_argument("--background", type=int, nargs="+", default=[0, 7])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
