@@ -211,11 +211,12 @@ class EngineSession:
             self._sampling_params.extra_args = {REQUEST_ARGS_KEY: retention}
         self.bounded = retention is not None
         self.prompt_tokens_total = 0
-        self.completion_tokens_total = 0
         self.chunks = 0
         self.finished = False
-        # EngineCore's report from the last chunk boundary (or the engine's end of the session).
-        self.last_report: SessionReport | None = None
+        # EngineCore's reports: the last chunk boundary's, and the one that ended the session.
+        # They are the one source of what the session holds (no count is kept here).
+        self.boundary_report: SessionReport | None = None
+        self.end_report: SessionReport | None = None
         # Whether the last chunk was answered: its assistant turn is then still open (the last
         # sampled token is not in the context) and the next chunk must close it.
         self.turn_open = False
@@ -290,11 +291,10 @@ class EngineSession:
                 if completion_out.text and reply:
                     yield ChunkDelta(completion_out.text)
             report = SessionReport.from_wire(out.kv_transfer_params)
-            if report is not None:
-                self.last_report = report
             if out.finished:
                 # Terminal: engine-initiated abort/error or end of input, never a boundary.
                 self.finished = True
+                self.end_report = report
                 finish = getattr(completion_out, "finish_reason", None)
                 raise _engine_failure(report=report, finish_reason=finish)
             if completion_out is not None and completion_out.finish_reason is not None:
@@ -306,9 +306,10 @@ class EngineSession:
                     cumulative = len(out.prompt_token_ids or [])
                     prompt_tokens = max(0, cumulative - self.prompt_tokens_total)
                 self.prompt_tokens_total += prompt_tokens
-                self.completion_tokens_total += completion
                 self.chunks += 1
                 self.turn_open = reply
+                if report is not None:
+                    self.boundary_report = report
                 now = time.perf_counter()
                 yield ChunkFinished(
                     finish_reason=completion_out.finish_reason,
@@ -323,9 +324,16 @@ class EngineSession:
                 return
 
     @property
-    def context_tokens(self) -> int:
-        """Tokens the request holds in context now (prompts + replies, last token excluded)."""
-        return self.prompt_tokens_total + max(0, self.completion_tokens_total - self.chunks)
+    def last_report(self) -> SessionReport | None:
+        """EngineCore's latest word on the session: its end if it ended it, else the last
+        boundary's (None before the first boundary)."""
+        return self.end_report or self.boundary_report
+
+    @property
+    def tokens_in_context(self) -> int:
+        """Tokens the request held at its last chunk boundary, as EngineCore reported them
+        (prompts and replies, the last sampled token excluded; 0 before the first boundary)."""
+        return 0 if self.boundary_report is None else self.boundary_report.tokens_in_context
 
     async def abort(self) -> None:
         """Abort the request and free its KV blocks. The caller cancels any task that is inside

@@ -430,7 +430,7 @@ class SessionHub:
             # (a budget chosen by the client was also checked to fit at open).
             return
         chunk = text_tokens + (self.media_tokens(config) if frame.kind != "text" else 0)
-        need = record.engine_session.context_tokens + chunk + config.sampling.max_tokens
+        need = record.engine_session.tokens_in_context + chunk + config.sampling.max_tokens
         if need > self.max_model_len:
             raise ContextExceeded(
                 f"this chunk would take the session to about {need} tokens; the model's "
@@ -546,7 +546,7 @@ class SessionHub:
         if report is None or report.error is not None:
             # No chunk boundary yet, or the engine ended the session (its blocks are freed).
             return RetentionState(
-                frames_retained=es.chunks, tokens_retained=es.context_tokens, kv_blocks_held=0
+                frames_retained=es.chunks, tokens_retained=es.tokens_in_context, kv_blocks_held=0
             )
         counters = report.retention
         return RetentionState(
