@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from protocol import (
@@ -46,6 +48,8 @@ class EngineFacts:
     engine_slots: int | None
     """The engine's `max_num_seqs`: a paused streaming session keeps its slot."""
     model_path: str
+    processor_config: dict[str, Any]
+    """The model's (pre)processor config ({} if none): its max pixels bound a frame's tokens."""
 
     @classmethod
     def of(cls, engine: Any) -> EngineFacts:
@@ -53,13 +57,25 @@ class EngineFacts:
 
         model_config = engine.model_config
         scheduler_config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+        model_path = str(model_config.model)
         return cls(
             max_model_len=int(model_config.max_model_len),
             multimodal=bool(model_config.is_multimodal_model),
             max_position=model_max_position(model_config),
             engine_slots=getattr(scheduler_config, "max_num_seqs", None),
-            model_path=str(model_config.model),
+            model_path=model_path,
+            processor_config=_processor_config(model_path),
         )
+
+
+def _processor_config(model_path: str) -> dict[str, Any]:
+    """The processor config of a local model directory, {} when it has none."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = Path(model_path) / name
+        if path.is_file():
+            config: dict[str, Any] = json.loads(path.read_text())
+            return config
+    return {}
 
 
 @dataclass(frozen=True)
