@@ -28,11 +28,13 @@ from protocol import (
     ContextExceeded,
     EngineError,
     Frame,
+    InvalidEvent,
     RealtimeError,
     SamplingConfig,
     SessionConfig,
 )
 from realtime.media import decode_clip, decode_image
+from realtime.prompt_format import ChatFormat, ChatFormatError
 from retention.policy import CHUNK_HEAD_KEY, CHUNK_KIND_KEY, REQUEST_ARGS_KEY
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
 
@@ -113,20 +115,51 @@ class ChunkFinished:
     report: SessionReport | None = None
 
 
-REPLY_CLOSE = "<|im_end|>\n"
-"""What a chunk after an answered one starts with: it closes the reply's assistant turn."""
+def chat_format_of(engine: Any) -> ChatFormat:
+    """The served model's chat format: registered for an embedded model, else split from the
+    chat template vLLM resolves for it (the processor's or the tokenizer's). Raises
+    ChatFormatError, naming the model, when neither gives one: the server must not start."""
+    from realtime.models import registered_chat_format
+
+    model = str(engine.model_config.model)
+    registered = registered_chat_format(model)
+    if registered is not None:
+        return registered
+    from vllm.renderers.hf import resolve_chat_template
+
+    tokenizer = engine.get_tokenizer()
+    template = resolve_chat_template(tokenizer, None, None, model_config=engine.model_config)
+    if template is None:
+        raise ChatFormatError(f"{model} has no chat template to write its prompts with")
+
+    def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        text = tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return str(text)
+
+    # A template that writes the BOS token the tokenizer adds itself would write it twice.
+    bos = getattr(tokenizer, "bos_token", None)
+    adds_bos = bool(bos) and tokenizer.encode("x")[:1] == [tokenizer.bos_token_id]
+    try:
+        return ChatFormat.from_template(render, strip_prefix=bos if adds_bos else None)
+    except ChatFormatError as exc:
+        raise ChatFormatError(f"{model}: {exc}") from None
 
 
 def render_chunk(
     frame: Frame,
     config: SessionConfig,
     *,
+    chat: ChatFormat,
     first: bool,
     multimodal: bool,
     after_reply: bool | None = None,
 ) -> dict[str, Any]:
-    """The engine prompt for one chunk, in ChatML (the template of every default model and of
-    the Qwen-VL family).
+    """The engine prompt for one chunk, in the served model's chat format (`chat`).
 
     An answered chunk ends by opening an assistant turn; its reply fills it. vLLM drops the last
     sampled token of a chunk from the cached context, so that turn is still open when the next
@@ -137,33 +170,26 @@ def render_chunk(
     thus N + 1 consecutive user turns, then the assistant's."""
     if after_reply is None:
         after_reply = not first
-    parts: list[str] = []
-    if first:
-        if config.instructions:
-            parts.append(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
-    elif after_reply:
-        parts.append(REPLY_CLOSE)
-    parts.append("<|im_start|>user\n")
     mm: dict[str, Any] = {}
-    if frame.kind == "image":
-        parts.append("<|vision_start|><|image_pad|><|vision_end|>")
-        mm["image"] = decode_image(frame.data)
-    elif frame.kind == "video":
-        parts.append("<|vision_start|><|video_pad|><|vision_end|>")
-        mm["video"] = decode_clip(frame.data)
-    else:
-        parts.append(frame.text or "")
+    content = "" if frame.kind != "text" else frame.text or ""
     if frame.prompt:
-        parts.append(("\n" if frame.kind == "text" else "") + frame.prompt)
-    parts.append("<|im_end|>\n")
-    if frame.reply:
-        parts.append("<|im_start|>assistant\n")
-    prompt: dict[str, Any] = {"prompt": "".join(parts)}
-    if mm:
+        content += ("\n" if frame.kind == "text" else "") + frame.prompt
+    media = None if frame.kind == "text" else frame.kind
+    if media is not None:
+        mm[media] = decode_image(frame.data) if media == "image" else decode_clip(frame.data)
         if not multimodal:
-            from protocol import InvalidEvent
-
             raise InvalidEvent("this server's model takes text only; open a 'text' session")
+        if (chat.image if media == "image" else chat.video) is None:
+            raise InvalidEvent(f"this server's model takes no {media} frames (its chat template)")
+    text = chat.chunk(
+        content,
+        media=media,
+        instructions=config.instructions if first else None,
+        close_reply=after_reply and not first,
+        reply=frame.reply,
+    )
+    prompt: dict[str, Any] = {"prompt": text}
+    if mm:
         prompt["multi_modal_data"] = mm
     return prompt
 

@@ -42,16 +42,17 @@ from realtime import __version__
 from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_or_default
 from realtime.config import ServerConfig
 from realtime.engine_session import (
-    REPLY_CLOSE,
     ChunkDelta,
     ChunkFinished,
     EngineFacts,
     EngineSession,
+    chat_format_of,
     kv_pool,
     render_chunk,
 )
 from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
+from realtime.prompt_format import ChatFormat
 from realtime.structured import structured_outputs, validate_format
 
 log = logging.getLogger("vllm_realtime")
@@ -127,6 +128,7 @@ class SessionHub:
         self._reply_close_tokens: int | None = None
         self.engine_slots = facts.engine_slots
         self._admission: Admission | None = None  # set by start(), with the KV pool
+        self._chat: ChatFormat | None = None  # set by start(), from the model's chat template
 
     async def start(self) -> None:
         pool = await kv_pool(self.engine)
@@ -152,6 +154,8 @@ class SessionHub:
             strict_budgets=self.config.strict_budgets,
         )
         self.tokenizer = self.engine.get_tokenizer()
+        # A template the server cannot write chunks with stops the start-up here (not guessed).
+        self._chat = chat_format_of(self.engine)
         self.metrics.kv_blocks_total.set(self.usable_blocks)
         self.metrics.kv_block_size.set(self.block_size)
         default = SessionConfig(modality="video" if self.multimodal else "text")
@@ -195,6 +199,13 @@ class SessionHub:
             raise RuntimeError("SessionHub.start() reads the KV pool first")
         return self._admission
 
+    @property
+    def chat(self) -> ChatFormat:
+        """How this model's chunks are written (its turn delimiters and media placeholders)."""
+        if self._chat is None:
+            raise RuntimeError("SessionHub.start() reads the chat format first")
+        return self._chat
+
     def admit(self, config: SessionConfig, *, instructions_tokens: int) -> tuple[Footprint, bool]:
         """What admission reserves for a session, and whether that is its bounded footprint."""
         admitted = self.admission.admit(config, instructions_tokens=instructions_tokens)
@@ -218,7 +229,7 @@ class SessionHub:
         if not config.instructions:
             return 0
         # The system turn as render_chunk writes it.
-        n = self.count_tokens(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
+        n = self.count_tokens(self.chat.system_turn(config.instructions))
         self.admission.check_instructions(n)
         return n
 
@@ -348,6 +359,7 @@ class SessionHub:
                 render_chunk,
                 frame,
                 config,
+                chat=self.chat,
                 first=es.chunks == 0,
                 multimodal=self.multimodal,
                 after_reply=es.turn_open,
@@ -398,7 +410,7 @@ class SessionHub:
         """Tokens of the turn close a chunk after an answered one starts with."""
         if self._reply_close_tokens is None:
             self._reply_close_tokens = (
-                len(self.tokenizer.encode(REPLY_CLOSE, add_special_tokens=False))
+                len(self.tokenizer.encode(self.chat.assistant_close, add_special_tokens=False))
                 if self.tokenizer is not None
                 else 0
             )
@@ -462,4 +474,9 @@ class SessionHub:
         if config.modality == "video" and not self.multimodal:
             raise InvalidEvent(
                 f"session.open.modality: {self.model_name!r} takes text only; use 'text'"
+            )
+        if config.modality == "video" and self.chat.image is None:
+            raise InvalidEvent(
+                f"session.open.modality: the chat template of {self.model_name!r} writes no "
+                "image placeholder, so this server cannot send it frames; use 'text'"
             )
