@@ -30,11 +30,13 @@ from protocol import (
     Frame,
     InvalidEvent,
     RealtimeError,
+    ResponseFormat,
     SamplingConfig,
     SessionConfig,
 )
 from realtime.media import decode_clip, decode_image
 from realtime.prompt_format import ChatFormat, ChatFormatError
+from realtime.structured import structured_outputs
 from retention.policy import CHUNK_HEAD_KEY, CHUNK_KIND_KEY, REQUEST_ARGS_KEY
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
 
@@ -267,12 +269,13 @@ class EngineSession:
         self,
         *,
         reply: bool,
-        structured_outputs: Any = None,
+        response_format: ResponseFormat | None = None,
         kind: str | None = None,
         head: int = 0,
     ) -> Any:
-        """The SamplingParams of one chunk: the session's, with this chunk's grammar; an
-        ingested chunk samples one token, which the next fold drops (no phantom tokens).
+        """The SamplingParams of one chunk: the session's, with the grammar of this chunk's
+        `response_format` (checked by the caller); an ingested chunk samples one token, which
+        the next fold drops (no phantom tokens).
         `kind` ("text" or "frame") tells the engine's retention which budget keeps the chunk
         (`retention.text_window_tokens`); `head`: how many leading tokens close the previous
         reply's turn (kept with that reply)."""
@@ -283,7 +286,7 @@ class EngineSession:
                 CHUNK_KIND_KEY: kind,
                 CHUNK_HEAD_KEY: head,
             }
-        params.structured_outputs = structured_outputs if reply else None
+        params.structured_outputs = structured_outputs(response_format) if reply else None
         if not reply:
             params.max_tokens = 1
             params.min_tokens = 0

@@ -53,7 +53,7 @@ from realtime.engine_session import (
 from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
 from realtime.prompt_format import ChatFormat
-from realtime.structured import structured_outputs, validate_format
+from realtime.structured import validate_format
 
 log = logging.getLogger("vllm_realtime")
 
@@ -429,9 +429,7 @@ class SessionHub:
         if frame.response_format is not None:
             fmt = frame.response_format
             validate_format(fmt, "frame.append.response_format")
-        return es.chunk_params(
-            reply=True, structured_outputs=structured_outputs(fmt), kind=kind, head=head
-        )
+        return es.chunk_params(reply=True, response_format=fmt, kind=kind, head=head)
 
     def retention_state(self, record: SessionRecord) -> RetentionState:
         """The session's state for response.done, from EngineCore's last report (it rides on
