@@ -50,6 +50,8 @@ from protocol import (
     InvalidRequestError,
     SessionConfig,
 )
+from realtime.config import ServerConfig
+from realtime.media import MAX_CLIP_FRAMES
 
 BUDGET_FIELDS = frozenset(
     {"sink_tokens", "sink_chunks", "window_chunks", "window_tokens", "text_window_tokens"}
@@ -281,6 +283,35 @@ class Admission:
     retention_max_position: int | None = None
     """The server's position limit, sent to the engine with every budget (None: the model's)."""
     strict_budgets: bool = False
+
+    @classmethod
+    def for_server(
+        cls,
+        server: ServerConfig,
+        *,
+        max_model_len: int,
+        max_position: int,
+        block_size: int,
+        usable_blocks: int,
+        media: MediaBounds | None,
+        engine_slots: int | None,
+    ) -> Admission:
+        """The rules of a server with this configuration over an engine with these facts."""
+        return cls(
+            max_model_len=max_model_len,
+            max_position=max_position,
+            block_size=block_size,
+            usable_blocks=usable_blocks,
+            max_chunk_tokens=server.max_chunk_tokens,
+            max_clip_frames=MAX_CLIP_FRAMES,
+            max_instructions_tokens=server.max_instructions_tokens,
+            max_sessions=server.max_sessions,
+            media=media,
+            engine_slots=engine_slots,
+            max_sessions_per_key=server.max_sessions_per_key,
+            retention_max_position=server.retention_max_position,
+            strict_budgets=server.strict_budgets,
+        )
 
     # -- session.open
 

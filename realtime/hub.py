@@ -138,20 +138,14 @@ class SessionHub:
             )
         self.block_size = pool.block_size
         self.usable_blocks = pool.usable_blocks
-        self._admission = Admission(
+        self._admission = Admission.for_server(
+            self.config,
             max_model_len=self.max_model_len,
             max_position=self.max_position,
             block_size=self.block_size,
             usable_blocks=self.usable_blocks,
-            max_chunk_tokens=self.config.max_chunk_tokens,
-            max_clip_frames=MAX_CLIP_FRAMES,
-            max_instructions_tokens=self.config.max_instructions_tokens,
-            max_sessions=self.config.max_sessions,
             media=self.media,
             engine_slots=self.engine_slots,
-            max_sessions_per_key=self.config.max_sessions_per_key,
-            retention_max_position=self.config.retention_max_position,
-            strict_budgets=self.config.strict_budgets,
         )
         self.tokenizer = self.engine.get_tokenizer()
         # A template the server cannot write chunks with stops the start-up here (not guessed).

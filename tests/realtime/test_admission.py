@@ -390,3 +390,27 @@ def test_admitted_reservations_fit_the_context_and_grow_with_the_window(
         assert wider > blocks or wider == blocks
     if not bounded:
         assert not wider_bounded  # a wider window never fits where a narrower one did not
+
+
+def test_the_server_config_sets_the_caps() -> None:
+    from realtime.config import ServerConfig
+
+    server = ServerConfig(
+        max_chunk_tokens=64, max_sessions=3, retention_max_position=900, strict_budgets=True
+    )
+    admission = Admission.for_server(
+        server,
+        max_model_len=1024,
+        max_position=900,
+        block_size=16,
+        usable_blocks=50,
+        media=None,
+        engine_slots=8,
+    )
+    assert admission.chunk_caps(video()) == (64, 16)
+    assert admission.retention_args(video())["max_position"] == 900  # type: ignore[index]
+    assert (admission.max_sessions, admission.strict_budgets, admission.engine_slots) == (
+        3,
+        True,
+        8,
+    )
