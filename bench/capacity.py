@@ -50,13 +50,12 @@ def _max_size_text(hub: Any, cap: int, video: bool = False) -> str:
     """A turn text (or frame prompt) whose rendered chunk, template included, is as close to
     the cap as fits."""
     words = ["river", "mill", "boat", "stone", "light", "field", "bridge", "cloud"]
-    media = "<|vision_start|><|image_pad|><|vision_end|>" if video else ""
     text = ""
     i = 0
     while True:
         candidate = (text + " " + words[i % len(words)]).strip()
-        rendered = (
-            f"<|im_end|>\n<|im_start|>user\n{media}{candidate}<|im_end|>\n<|im_start|>assistant\n"
+        rendered = hub.chat.chunk(
+            candidate, media="image" if video else None, close_reply=True, reply=True
         )
         if hub.count_tokens(rendered) > cap:
             return text

@@ -20,6 +20,7 @@ from typing import Any
 from protocol import RealtimeError, SamplingConfig, SessionConfig
 from protocol.state import Frame
 from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession, render_chunk
+from realtime.prompt_format import ChatFormat
 from retention.records import SessionReport
 from retention.vllm_adapter.introspect import kv_stats
 
@@ -166,23 +167,27 @@ async def stateless_request(
 
 
 def stateless_prompt(
-    config: SessionConfig, window: list[tuple[Frame, str]], frame: Frame, multimodal: bool
+    config: SessionConfig,
+    window: list[tuple[Frame, str]],
+    frame: Frame,
+    multimodal: bool,
+    chat: ChatFormat,
 ) -> dict[str, Any]:
     """The prompt of a stateless sliding-window client: the instructions, the last W frames
-    with the replies they got, then the new frame, in the same ChatML as `render_chunk`."""
+    with the replies they got, then the new frame, in the same format as `render_chunk`."""
     parts: list[str] = []
     if config.instructions:
-        parts.append(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
+        parts.append(chat.system_turn(config.instructions))
     images: list[Any] = []
     for past, reply in [*window, (frame, None)]:
-        rendered = render_chunk(past, SessionConfig(modality=config.modality), first=True,
-                                multimodal=multimodal)  # fmt: skip
+        rendered = render_chunk(past, SessionConfig(modality=config.modality), chat=chat,
+                                first=True, multimodal=multimodal)  # fmt: skip
         parts.append(rendered["prompt"])
         mm = rendered.get("multi_modal_data") or {}
         if "image" in mm:
             images.append(mm["image"])
         if reply is not None:
-            parts.append(f"{reply}<|im_end|>\n")
+            parts.append(f"{reply}{chat.assistant_close}")
     prompt: dict[str, Any] = {"prompt": "".join(parts)}
     if images:
         prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}

@@ -153,9 +153,10 @@ async def run_session(
         engine_rss,
     )
     from protocol import SessionConfig
-    from realtime.engine_session import render_chunk
+    from realtime.engine_session import chat_format_of, render_chunk
 
     config = SessionConfig(instructions=INSTRUCTIONS, modality=modality)
+    chat = chat_format_of(engine)
     rid = f"bench-{name}-{stream}-{os.urandom(3).hex()}"
     session = StreamingSession(engine, rid, max_tokens, retention)
     records: list[dict[str, Any]] = []
@@ -166,7 +167,7 @@ async def run_session(
         for i in range(n):
             frame = frames(i, stream)
             prompt = await asyncio.to_thread(
-                render_chunk, frame, config, first=i == 0, multimodal=multimodal
+                render_chunk, frame, config, chat=chat, first=i == 0, multimodal=multimodal
             )
             try:
                 res = await session.send(prompt)
@@ -246,8 +247,10 @@ async def run_stateless(
         stateless_request,
     )
     from protocol import SessionConfig
+    from realtime.engine_session import chat_format_of
 
     config = SessionConfig(instructions=INSTRUCTIONS, modality=modality)
+    chat = chat_format_of(engine)
     params = sampling_params(max_tokens, None)
     past: deque[tuple[Any, str]] = deque(maxlen=window)
     records: list[dict[str, Any]] = []
@@ -256,7 +259,7 @@ async def run_stateless(
     for i in range(n):
         frame = frames(i, stream)
         prompt = await asyncio.to_thread(
-            stateless_prompt, config, list(past), frame, multimodal=multimodal
+            stateless_prompt, config, list(past), frame, multimodal=multimodal, chat=chat
         )
         res, prompt_len = await stateless_request(
             engine, prompt, params, f"bench-stateless-{stream}-{i}-{os.urandom(3).hex()}"

@@ -22,14 +22,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+from realtime.models import DEFAULT_MODELS
+
+MODEL = "tiny-qwen2-vl"
+CHAT = DEFAULT_MODELS[MODEL].chat_format
+SYSTEM = CHAT.system_turn("You are a helpful assistant.")
 
 
 def frame_prompt(i: int) -> str:
-    return (
-        "<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
-        f"frame {i}<|im_end|>\n<|im_start|>assistant\n"
-    )
+    return CHAT.chunk(f"frame {i}", media="image", close_reply=True, reply=True)
 
 
 def frame_image(seed: int) -> Any:
@@ -61,7 +62,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     engine = start_engine(
         EngineSettings(
-            model="tiny-qwen2-vl",
+            model=MODEL,
             max_model_len=1024,
             kv_cache_memory_bytes=48 << 20,
             block_size=32,

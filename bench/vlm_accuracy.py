@@ -55,6 +55,7 @@ def prompt_for(
     from protocol import SessionConfig
     from protocol.state import Frame
     from realtime.engine_session import render_chunk
+    from realtime.models import DEFAULT_MODELS
 
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=85)
@@ -68,8 +69,9 @@ def prompt_for(
         prompt=question,
         timestamp=None,
     )
+    chat = DEFAULT_MODELS[MODEL].chat_format
     return render_chunk(
-        frame, SessionConfig(instructions=instructions), first=True, multimodal=True
+        frame, SessionConfig(instructions=instructions), chat=chat, first=True, multimodal=True
     )
 
 

@@ -91,7 +91,7 @@ def jpeg(seed: int, size: int = 112) -> bytes:
 class Session:
     def __init__(self, engine: Any, multimodal: bool, max_tokens: int) -> None:
         from protocol import SamplingConfig, SessionConfig
-        from realtime.engine_session import EngineSession
+        from realtime.engine_session import EngineSession, chat_format_of
 
         self.es = EngineSession(
             engine,
@@ -101,6 +101,7 @@ class Session:
             ignore_eos=True,
         )
         self.multimodal = multimodal
+        self.chat = chat_format_of(engine)
         self.config = SessionConfig(
             modality="video" if multimodal else "text",
             instructions="You watch a camera. Answer in one short sentence.",
@@ -125,6 +126,7 @@ class Session:
             render_chunk,
             frame,
             self.config,
+            chat=self.chat,
             first=self.es.chunks == 0,
             multimodal=self.multimodal,
             after_reply=self.es.turn_open,

@@ -31,6 +31,10 @@ model's processor (max pixels → max tokens per image, and per clip of at most
 `max_clip_frames` frames), instructions by `max_instructions_tokens`.
 
 Sessions without retention keep the old rule: max_model_len.
+
+`Admission` applies these rules to a `SessionConfig` with the server's caps and the engine's
+facts: what a session reserves at open, and whether a chunk may run. The hub does the I/O
+(tokenizing, the engine); everything here is arithmetic.
 """
 
 from __future__ import annotations
@@ -38,6 +42,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from protocol import (
+    CapacityExceeded,
+    ChunkTooLarge,
+    ContextExceeded,
+    InvalidRequestError,
+    SessionConfig,
+)
+from realtime.config import ServerConfig
+from realtime.media import MAX_CLIP_FRAMES
+
+BUDGET_FIELDS = frozenset(
+    {"sink_tokens", "sink_chunks", "window_chunks", "window_tokens", "text_window_tokens"}
+)
+"""Retention fields a client may set; with `strict_budgets` a budget built from them must fit."""
 
 
 @dataclass(frozen=True)
@@ -221,3 +240,240 @@ def media_bounds(processor_config: dict[str, Any]) -> MediaBounds | None:
         return None
     temporal = int(video.get("temporal_patch_size", 1) or 1)
     return MediaBounds(image_tokens=image, clip_frame_tokens=per_step, temporal_patch=temporal)
+
+
+DEFAULT_MEDIA_BOUNDS = MediaBounds(image_tokens=1024, clip_frame_tokens=1024)
+"""Taken when the processor config says nothing about its sizes: large, so admission errs safe."""
+
+
+def media_bounds_or_default(processor_config: dict[str, Any]) -> MediaBounds:
+    return media_bounds(processor_config) or DEFAULT_MEDIA_BOUNDS
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """What admission reserves for a session."""
+
+    footprint: Footprint
+    bounded: bool
+    """Whether the reservation is the session's bounded footprint (else a whole context)."""
+    whole_context_because: str | None = None
+    """Why a retention budget is reserved as a whole context (its worst case does not fit)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The server's admission rules: its caps and the engine's facts, applied to sessions."""
+
+    max_model_len: int
+    max_position: int
+    """The position limit of a bounded session (the model's range, or the server's lower one)."""
+    block_size: int
+    usable_blocks: int
+    max_chunk_tokens: int
+    max_clip_frames: int
+    max_instructions_tokens: int
+    max_sessions: int
+    media: MediaBounds | None = None
+    """None: the model takes text only."""
+    engine_slots: int | None = None
+    """The engine's `max_num_seqs`: a paused streaming session keeps its request slot, so more
+    sessions than slots starve the extra ones (found by tests/reliability/test_capacity.py)."""
+    max_sessions_per_key: int | None = None
+    retention_max_position: int | None = None
+    """The server's position limit, sent to the engine with every budget (None: the model's)."""
+    strict_budgets: bool = False
+
+    @classmethod
+    def for_server(
+        cls,
+        server: ServerConfig,
+        *,
+        max_model_len: int,
+        max_position: int,
+        block_size: int,
+        usable_blocks: int,
+        media: MediaBounds | None,
+        engine_slots: int | None,
+    ) -> Admission:
+        """The rules of a server with this configuration over an engine with these facts."""
+        return cls(
+            max_model_len=max_model_len,
+            max_position=max_position,
+            block_size=block_size,
+            usable_blocks=usable_blocks,
+            max_chunk_tokens=server.max_chunk_tokens,
+            max_clip_frames=MAX_CLIP_FRAMES,
+            max_instructions_tokens=server.max_instructions_tokens,
+            max_sessions=server.max_sessions,
+            media=media,
+            engine_slots=engine_slots,
+            max_sessions_per_key=server.max_sessions_per_key,
+            retention_max_position=server.retention_max_position,
+            strict_budgets=server.strict_budgets,
+        )
+
+    # -- session.open
+
+    def retention_args(self, config: SessionConfig | None) -> dict[str, Any] | None:
+        """The engine budget (`extra_args["streaming_retention"]`) of a session, if bounded."""
+        if config is None or not config.retention.enabled:
+            return None
+        r = config.retention
+        args: dict[str, Any] = {"sink_tokens": r.sink_tokens, "sink_chunks": r.sink_chunks}
+        if r.window_chunks is not None:
+            args["window_chunks"] = r.window_chunks
+        if r.window_tokens is not None:
+            args["window_tokens"] = r.window_tokens
+        if r.text_window_tokens is not None:
+            args["text_window_tokens"] = r.text_window_tokens
+        if self.retention_max_position is not None:
+            args["max_position"] = self.retention_max_position
+        return args
+
+    def check_session_counts(self, open_sessions: int, owner_sessions: int) -> None:
+        """Refuse a session over the server's, the engine's or the owner's session count."""
+        if open_sessions >= self.max_sessions:
+            raise CapacityExceeded(
+                f"{open_sessions} sessions are open; this server runs at most {self.max_sessions}"
+            )
+        if self.engine_slots is not None and open_sessions >= self.engine_slots:
+            raise CapacityExceeded(
+                f"{open_sessions} sessions are open; the engine runs at most "
+                f"{self.engine_slots} requests (max_num_seqs)"
+            )
+        per_key = self.max_sessions_per_key
+        if per_key is not None and owner_sessions >= per_key:
+            raise CapacityExceeded(
+                f"this API key holds {owner_sessions} sessions; at most {per_key} per key"
+            )
+
+    def check_instructions(self, tokens: int) -> None:
+        if tokens > self.max_instructions_tokens:
+            raise InvalidRequestError(
+                f"session.open.instructions is {tokens} tokens; at most "
+                f"{self.max_instructions_tokens} (limits.max_instructions_tokens)"
+            )
+
+    def check_limits(self, config: SessionConfig) -> None:
+        """A session's own limits may only lower the server's."""
+        server = {
+            "max_chunk_tokens": self.max_chunk_tokens,
+            "max_clip_frames": self.max_clip_frames,
+        }
+        for name, cap in server.items():
+            value = getattr(config.limits, name)
+            if value is not None and value > cap:
+                raise InvalidRequestError(
+                    f"session.open.limits.{name} is {value}, above the server's "
+                    f"limits.{name} ({cap})"
+                )
+
+    def chunk_caps(self, config: SessionConfig) -> tuple[int, int]:
+        """The session's caps: tokens of a chunk's text, frames of a clip (its own `limits`,
+        at or below the server's)."""
+        text = config.limits.max_chunk_tokens or self.max_chunk_tokens
+        clip = config.limits.max_clip_frames or self.max_clip_frames
+        return text, clip
+
+    def media_tokens(self, config: SessionConfig) -> int:
+        """Most tokens one frame's image or clip of this session can add."""
+        if config.modality != "video" or self.media is None:
+            return 0
+        return self.media.chunk_tokens(self.chunk_caps(config)[1])
+
+    def chunk_tokens_cap(self, config: SessionConfig) -> int:
+        """Most tokens one chunk of this session can be (text cap, plus a frame's tokens)."""
+        return self.chunk_caps(config)[0] + self.media_tokens(config)
+
+    def footprint(self, config: SessionConfig, *, instructions_tokens: int) -> Footprint:
+        """The session's peak in tokens and blocks, as its budget alone gives it."""
+        budget = self.retention_args(config)
+        if budget is None:
+            return unbounded_footprint(self.max_model_len, self.block_size)
+        bounds = ChunkBounds(
+            chunk_tokens=self.chunk_tokens_cap(config),
+            reply_tokens=config.sampling.max_tokens,
+            instructions_tokens=instructions_tokens,
+        )
+        return bounded_footprint(budget, bounds, self.block_size)
+
+    def admit(self, config: SessionConfig, *, instructions_tokens: int) -> Admitted:
+        """What admission reserves for a session.
+
+        A budget whose worst case (sinks + window + remnants + every chunk at its cap + reply)
+        passes max_position or max_model_len is reserved as a whole context, as an unbounded
+        session is; with `strict_budgets` a budget the client set is refused instead
+        (invalid_request, naming the numbers). Refusing by default refused every default-size
+        video session on small contexts: a 16-frame clip at max pixels is 512 tokens.
+        """
+        self.check_limits(config)
+        fp = self.footprint(config, instructions_tokens=instructions_tokens)
+        if self.retention_args(config) is None:
+            return Admitted(fp, bounded=False)
+        problem = budget_problem(fp, self.max_position, self.max_model_len)
+        if problem is None:
+            return Admitted(fp, bounded=True)
+        if self.strict_budgets and config.retention.model_fields_set & BUDGET_FIELDS:
+            raise InvalidRequestError(f"session.open.retention: {problem}")
+        # Its worst case (every chunk at its cap) does not fit: reserve the whole context; the
+        # engine ends the session (context_length_exceeded) if its real chunks ever do not fit
+        # after an eviction and a consolidation.
+        whole = unbounded_footprint(self.max_model_len, self.block_size)
+        return Admitted(whole, bounded=False, whole_context_because=problem)
+
+    def check_pool(self, footprint: Footprint, reserved_blocks: int, open_sessions: int) -> None:
+        """Refuse a session whose reservation the pool's unreserved blocks cannot hold."""
+        free = self.usable_blocks - reserved_blocks
+        if footprint.blocks > free:
+            raise CapacityExceeded(
+                f"the engine's KV cache cannot hold another session: this one needs "
+                f"{footprint.blocks} blocks of {self.block_size} tokens ({footprint.describe()}), "
+                f"but only {max(free, 0)} of {self.usable_blocks} are not reserved by the "
+                f"{open_sessions} open sessions; a smaller window or max_tokens needs less"
+            )
+
+    # -- one chunk
+
+    def check_chunk(
+        self,
+        config: SessionConfig,
+        *,
+        text_tokens: int,
+        clip_frames: int | None,
+        is_frame: bool,
+        held_tokens: int,
+    ) -> None:
+        """Refuse a chunk larger than admission assumed, or one the context cannot take.
+
+        `text_tokens`: the chunk's prompt text, template included (the instructions of a first
+        chunk excluded: counted at open); a frame's image or clip adds at most what the
+        processor's max pixels give, a clip no more frames than the session's cap.
+        `held_tokens`: what the session held at its last boundary."""
+        cap, clip_cap = self.chunk_caps(config)
+        if text_tokens > cap:
+            raise ChunkTooLarge(
+                f"this chunk's text is {text_tokens} tokens; at most {cap} "
+                "(limits.max_chunk_tokens). It was not run; send it in smaller pieces"
+            )
+        media = self.media
+        if (
+            clip_frames is not None
+            and media is not None
+            and media.clip_tokens(clip_frames) > media.chunk_tokens(clip_cap)
+        ):
+            raise ChunkTooLarge(
+                f"this clip has {clip_frames} frames; at most {clip_cap} "
+                "(limits.max_clip_frames). It was not run; send shorter clips"
+            )
+        if self.retention_args(config) is not None:
+            # Bounded: the engine checks what the session holds after this fold's eviction
+            # (a budget chosen by the client was also checked to fit at open).
+            return
+        chunk = text_tokens + (self.media_tokens(config) if is_frame else 0)
+        need = held_tokens + chunk + config.sampling.max_tokens
+        if need > self.max_model_len:
+            raise ContextExceeded(
+                f"this chunk would take the session to about {need} tokens; the model's "
+                f"context is {self.max_model_len}"
+            )

@@ -17,20 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from protocol import (
     ContextExceeded,
     EngineError,
     Frame,
+    InvalidEvent,
     RealtimeError,
+    ResponseFormat,
     SamplingConfig,
     SessionConfig,
 )
 from realtime.media import decode_clip, decode_image
+from realtime.prompt_format import ChatFormat, ChatFormatError
+from realtime.structured import structured_outputs
 from retention.policy import CHUNK_HEAD_KEY, CHUNK_KIND_KEY, REQUEST_ARGS_KEY
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
 
@@ -46,6 +52,8 @@ class EngineFacts:
     engine_slots: int | None
     """The engine's `max_num_seqs`: a paused streaming session keeps its slot."""
     model_path: str
+    processor_config: dict[str, Any]
+    """The model's (pre)processor config ({} if none): its max pixels bound a frame's tokens."""
 
     @classmethod
     def of(cls, engine: Any) -> EngineFacts:
@@ -53,13 +61,25 @@ class EngineFacts:
 
         model_config = engine.model_config
         scheduler_config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+        model_path = str(model_config.model)
         return cls(
             max_model_len=int(model_config.max_model_len),
             multimodal=bool(model_config.is_multimodal_model),
             max_position=model_max_position(model_config),
             engine_slots=getattr(scheduler_config, "max_num_seqs", None),
-            model_path=str(model_config.model),
+            model_path=model_path,
+            processor_config=_processor_config(model_path),
         )
+
+
+def _processor_config(model_path: str) -> dict[str, Any]:
+    """The processor config of a local model directory, {} when it has none."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        path = Path(model_path) / name
+        if path.is_file():
+            config: dict[str, Any] = json.loads(path.read_text())
+            return config
+    return {}
 
 
 @dataclass(frozen=True)
@@ -97,20 +117,51 @@ class ChunkFinished:
     report: SessionReport | None = None
 
 
-REPLY_CLOSE = "<|im_end|>\n"
-"""What a chunk after an answered one starts with: it closes the reply's assistant turn."""
+def chat_format_of(engine: Any) -> ChatFormat:
+    """The served model's chat format: registered for an embedded model, else split from the
+    chat template vLLM resolves for it (the processor's or the tokenizer's). Raises
+    ChatFormatError, naming the model, when neither gives one: the server must not start."""
+    from realtime.models import registered_chat_format
+
+    model = str(engine.model_config.model)
+    registered = registered_chat_format(model)
+    if registered is not None:
+        return registered
+    from vllm.renderers.hf import resolve_chat_template
+
+    tokenizer = engine.get_tokenizer()
+    template = resolve_chat_template(tokenizer, None, None, model_config=engine.model_config)
+    if template is None:
+        raise ChatFormatError(f"{model} has no chat template to write its prompts with")
+
+    def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        text = tokenizer.apply_chat_template(
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        return str(text)
+
+    # A template that writes the BOS token the tokenizer adds itself would write it twice.
+    bos = getattr(tokenizer, "bos_token", None)
+    adds_bos = bool(bos) and tokenizer.encode("x")[:1] == [tokenizer.bos_token_id]
+    try:
+        return ChatFormat.from_template(render, strip_prefix=bos if adds_bos else None)
+    except ChatFormatError as exc:
+        raise ChatFormatError(f"{model}: {exc}") from None
 
 
 def render_chunk(
     frame: Frame,
     config: SessionConfig,
     *,
+    chat: ChatFormat,
     first: bool,
     multimodal: bool,
     after_reply: bool | None = None,
 ) -> dict[str, Any]:
-    """The engine prompt for one chunk, in ChatML (the template of every default model and of
-    the Qwen-VL family).
+    """The engine prompt for one chunk, in the served model's chat format (`chat`).
 
     An answered chunk ends by opening an assistant turn; its reply fills it. vLLM drops the last
     sampled token of a chunk from the cached context, so that turn is still open when the next
@@ -121,33 +172,26 @@ def render_chunk(
     thus N + 1 consecutive user turns, then the assistant's."""
     if after_reply is None:
         after_reply = not first
-    parts: list[str] = []
-    if first:
-        if config.instructions:
-            parts.append(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
-    elif after_reply:
-        parts.append(REPLY_CLOSE)
-    parts.append("<|im_start|>user\n")
     mm: dict[str, Any] = {}
-    if frame.kind == "image":
-        parts.append("<|vision_start|><|image_pad|><|vision_end|>")
-        mm["image"] = decode_image(frame.data)
-    elif frame.kind == "video":
-        parts.append("<|vision_start|><|video_pad|><|vision_end|>")
-        mm["video"] = decode_clip(frame.data)
-    else:
-        parts.append(frame.text or "")
+    content = "" if frame.kind != "text" else frame.text or ""
     if frame.prompt:
-        parts.append(("\n" if frame.kind == "text" else "") + frame.prompt)
-    parts.append("<|im_end|>\n")
-    if frame.reply:
-        parts.append("<|im_start|>assistant\n")
-    prompt: dict[str, Any] = {"prompt": "".join(parts)}
-    if mm:
+        content += ("\n" if frame.kind == "text" else "") + frame.prompt
+    media = None if frame.kind == "text" else frame.kind
+    if media is not None:
+        mm[media] = decode_image(frame.data) if media == "image" else decode_clip(frame.data)
         if not multimodal:
-            from protocol import InvalidEvent
-
             raise InvalidEvent("this server's model takes text only; open a 'text' session")
+        if (chat.image if media == "image" else chat.video) is None:
+            raise InvalidEvent(f"this server's model takes no {media} frames (its chat template)")
+    text = chat.chunk(
+        content,
+        media=media,
+        instructions=config.instructions if first else None,
+        close_reply=after_reply and not first,
+        reply=frame.reply,
+    )
+    prompt: dict[str, Any] = {"prompt": text}
+    if mm:
         prompt["multi_modal_data"] = mm
     return prompt
 
@@ -211,11 +255,12 @@ class EngineSession:
             self._sampling_params.extra_args = {REQUEST_ARGS_KEY: retention}
         self.bounded = retention is not None
         self.prompt_tokens_total = 0
-        self.completion_tokens_total = 0
         self.chunks = 0
         self.finished = False
-        # EngineCore's report from the last chunk boundary (or the engine's end of the session).
-        self.last_report: SessionReport | None = None
+        # EngineCore's reports: the last chunk boundary's, and the one that ended the session.
+        # They are the one source of what the session holds (no count is kept here).
+        self.boundary_report: SessionReport | None = None
+        self.end_report: SessionReport | None = None
         # Whether the last chunk was answered: its assistant turn is then still open (the last
         # sampled token is not in the context) and the next chunk must close it.
         self.turn_open = False
@@ -224,12 +269,13 @@ class EngineSession:
         self,
         *,
         reply: bool,
-        structured_outputs: Any = None,
+        response_format: ResponseFormat | None = None,
         kind: str | None = None,
         head: int = 0,
     ) -> Any:
-        """The SamplingParams of one chunk: the session's, with this chunk's grammar; an
-        ingested chunk samples one token, which the next fold drops (no phantom tokens).
+        """The SamplingParams of one chunk: the session's, with the grammar of this chunk's
+        `response_format` (checked by the caller); an ingested chunk samples one token, which
+        the next fold drops (no phantom tokens).
         `kind` ("text" or "frame") tells the engine's retention which budget keeps the chunk
         (`retention.text_window_tokens`); `head`: how many leading tokens close the previous
         reply's turn (kept with that reply)."""
@@ -240,7 +286,7 @@ class EngineSession:
                 CHUNK_KIND_KEY: kind,
                 CHUNK_HEAD_KEY: head,
             }
-        params.structured_outputs = structured_outputs if reply else None
+        params.structured_outputs = structured_outputs(response_format) if reply else None
         if not reply:
             params.max_tokens = 1
             params.min_tokens = 0
@@ -290,11 +336,10 @@ class EngineSession:
                 if completion_out.text and reply:
                     yield ChunkDelta(completion_out.text)
             report = SessionReport.from_wire(out.kv_transfer_params)
-            if report is not None:
-                self.last_report = report
             if out.finished:
                 # Terminal: engine-initiated abort/error or end of input, never a boundary.
                 self.finished = True
+                self.end_report = report
                 finish = getattr(completion_out, "finish_reason", None)
                 raise _engine_failure(report=report, finish_reason=finish)
             if completion_out is not None and completion_out.finish_reason is not None:
@@ -306,9 +351,10 @@ class EngineSession:
                     cumulative = len(out.prompt_token_ids or [])
                     prompt_tokens = max(0, cumulative - self.prompt_tokens_total)
                 self.prompt_tokens_total += prompt_tokens
-                self.completion_tokens_total += completion
                 self.chunks += 1
                 self.turn_open = reply
+                if report is not None:
+                    self.boundary_report = report
                 now = time.perf_counter()
                 yield ChunkFinished(
                     finish_reason=completion_out.finish_reason,
@@ -323,9 +369,16 @@ class EngineSession:
                 return
 
     @property
-    def context_tokens(self) -> int:
-        """Tokens the request holds in context now (prompts + replies, last token excluded)."""
-        return self.prompt_tokens_total + max(0, self.completion_tokens_total - self.chunks)
+    def last_report(self) -> SessionReport | None:
+        """EngineCore's latest word on the session: its end if it ended it, else the last
+        boundary's (None before the first boundary)."""
+        return self.end_report or self.boundary_report
+
+    @property
+    def tokens_in_context(self) -> int:
+        """Tokens the request held at its last chunk boundary, as EngineCore reported them
+        (prompts and replies, the last sampled token excluded; 0 before the first boundary)."""
+        return 0 if self.boundary_report is None else self.boundary_report.tokens_in_context
 
     async def abort(self) -> None:
         """Abort the request and free its KV blocks. The caller cancels any task that is inside

@@ -21,13 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from protocol import (
-    CapacityExceeded,
-    ChunkTooLarge,
-    ContextExceeded,
     EngineError,
     Frame,
     InvalidEvent,
-    InvalidRequestError,
     Limits,
     RealtimeError,
     Reservation,
@@ -43,35 +39,23 @@ from protocol import (
     Usage,
 )
 from realtime import __version__
-from realtime.admission import (
-    ChunkBounds,
-    Footprint,
-    MediaBounds,
-    bounded_footprint,
-    budget_problem,
-    media_bounds,
-    unbounded_footprint,
-)
+from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_or_default
 from realtime.config import ServerConfig
 from realtime.engine_session import (
-    REPLY_CLOSE,
     ChunkDelta,
     ChunkFinished,
     EngineFacts,
     EngineSession,
+    chat_format_of,
     kv_pool,
     render_chunk,
 )
 from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
-from realtime.structured import structured_outputs, validate_format
+from realtime.prompt_format import ChatFormat
+from realtime.structured import validate_format
 
 log = logging.getLogger("vllm_realtime")
-
-# Retention fields a client may set; a budget built from them must fit (see SessionHub.admit).
-_BUDGET_FIELDS = frozenset(
-    {"sink_tokens", "sink_chunks", "window_chunks", "window_tokens", "text_window_tokens"}
-)
 
 
 @dataclass
@@ -137,14 +121,14 @@ class SessionHub:
         if config.retention_max_position is not None:
             self.max_position = min(self.max_position, config.retention_max_position)
         # Tokens a frame's image or clip can add beyond its text (the processor's max pixels).
-        self.media = _media_bounds(facts.model_path) if self.multimodal else None
+        self.media: MediaBounds | None = (
+            media_bounds_or_default(facts.processor_config) if self.multimodal else None
+        )
         self.tokenizer: Any = None
         self._reply_close_tokens: int | None = None
-        # A paused streaming session still holds one of the engine's `max_num_seqs` request
-        # slots (vLLM counts WAITING_FOR_STREAMING_REQ against it). Admitting more sessions than
-        # slots starves the extra ones: their first chunk waits until another session closes
-        # (found by tests/reliability/test_capacity.py). Admission caps sessions at the slots.
         self.engine_slots = facts.engine_slots
+        self._admission: Admission | None = None  # set by start(), with the KV pool
+        self._chat: ChatFormat | None = None  # set by start(), from the model's chat template
 
     async def start(self) -> None:
         pool = await kv_pool(self.engine)
@@ -154,11 +138,22 @@ class SessionHub:
             )
         self.block_size = pool.block_size
         self.usable_blocks = pool.usable_blocks
+        self._admission = Admission.for_server(
+            self.config,
+            max_model_len=self.max_model_len,
+            max_position=self.max_position,
+            block_size=self.block_size,
+            usable_blocks=self.usable_blocks,
+            media=self.media,
+            engine_slots=self.engine_slots,
+        )
         self.tokenizer = self.engine.get_tokenizer()
+        # A template the server cannot write chunks with stops the start-up here (not guessed).
+        self._chat = chat_format_of(self.engine)
         self.metrics.kv_blocks_total.set(self.usable_blocks)
         self.metrics.kv_block_size.set(self.block_size)
         default = SessionConfig(modality="video" if self.multimodal else "text")
-        fp = self.admit(default, instructions_tokens=0)[0]
+        fp = self.admission.admit(default, instructions_tokens=0).footprint
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens; a default %s session reserves %d blocks "
             "(%s); about %d such sessions fit",
@@ -190,97 +185,36 @@ class SessionHub:
         # without API keys, so it must not be guessable (protocol.new_session_id gives 96 bits).
         return SessionProtocol(self.limits(), session_id="sess_" + secrets.token_hex(16))
 
-    # -- admission
+    # -- admission (the arithmetic is realtime/admission.py)
 
-    def retention_args(self, config: SessionConfig | None) -> dict[str, Any] | None:
-        """The engine budget (`extra_args["streaming_retention"]`) of a session, if bounded."""
-        if config is None or not config.retention.enabled:
-            return None
-        r = config.retention
-        args: dict[str, Any] = {"sink_tokens": r.sink_tokens, "sink_chunks": r.sink_chunks}
-        if r.window_chunks is not None:
-            args["window_chunks"] = r.window_chunks
-        if r.window_tokens is not None:
-            args["window_tokens"] = r.window_tokens
-        if r.text_window_tokens is not None:
-            args["text_window_tokens"] = r.text_window_tokens
-        if self.config.retention_max_position is not None:
-            args["max_position"] = self.config.retention_max_position
-        return args
+    @property
+    def admission(self) -> Admission:
+        if self._admission is None:
+            raise RuntimeError("SessionHub.start() reads the KV pool first")
+        return self._admission
 
-    def chunk_caps(self, config: SessionConfig) -> tuple[int, int]:
-        """The session's caps: tokens of a chunk's text, frames of a clip (its own
-        `limits`, at or below the server's)."""
-        text = config.limits.max_chunk_tokens or self.config.max_chunk_tokens
-        clip = config.limits.max_clip_frames or MAX_CLIP_FRAMES
-        return text, clip
-
-    def media_tokens(self, config: SessionConfig) -> int:
-        """Most tokens one frame's image or clip of this session can add."""
-        if config.modality != "video" or self.media is None:
-            return 0
-        return self.media.chunk_tokens(self.chunk_caps(config)[1])
-
-    def chunk_tokens_cap(self, config: SessionConfig) -> int:
-        """Most tokens one chunk of this session can be (text cap, plus a frame's tokens)."""
-        return self.chunk_caps(config)[0] + self.media_tokens(config)
-
-    def _check_limits(self, config: SessionConfig) -> None:
-        asked = config.limits
-        server = {
-            "max_chunk_tokens": self.config.max_chunk_tokens,
-            "max_clip_frames": MAX_CLIP_FRAMES,
-        }
-        for name, cap in server.items():
-            value = getattr(asked, name)
-            if value is not None and value > cap:
-                raise InvalidRequestError(
-                    f"session.open.limits.{name} is {value}, above the server's "
-                    f"limits.{name} ({cap})"
-                )
-
-    def footprint(self, config: SessionConfig, *, instructions_tokens: int) -> Footprint:
-        """The session's peak in tokens and blocks: what admission reserves for it."""
-        budget = self.retention_args(config)
-        if budget is None:
-            return unbounded_footprint(self.max_model_len, self.block_size)
-        bounds = ChunkBounds(
-            chunk_tokens=self.chunk_tokens_cap(config),
-            reply_tokens=config.sampling.max_tokens,
-            instructions_tokens=instructions_tokens,
-        )
-        return bounded_footprint(budget, bounds, self.block_size)
+    @property
+    def chat(self) -> ChatFormat:
+        """How this model's chunks are written (its turn delimiters and media placeholders)."""
+        if self._chat is None:
+            raise RuntimeError("SessionHub.start() reads the chat format first")
+        return self._chat
 
     def admit(self, config: SessionConfig, *, instructions_tokens: int) -> tuple[Footprint, bool]:
-        """What admission reserves for a session, and whether that is its bounded footprint.
-
-        A budget whose worst case (sinks + window + remnants + every chunk at its cap + reply)
-        passes max_position or max_model_len is reserved as a whole context, as an unbounded
-        session is; with `strict_budgets` a budget the client set is refused instead
-        (invalid_request, naming the numbers). Refusing by default refused every default-size
-        video session on small contexts: a 16-frame clip at max pixels is 512 tokens.
-        """
-        self._check_limits(config)
-        fp = self.footprint(config, instructions_tokens=instructions_tokens)
-        if self.retention_args(config) is None:
-            return fp, False
-        problem = budget_problem(fp, self.max_position, self.max_model_len)
-        if problem is None:
-            return fp, True
-        if self.config.strict_budgets and config.retention.model_fields_set & _BUDGET_FIELDS:
-            raise InvalidRequestError(f"session.open.retention: {problem}")
-        # Its worst case (every chunk at its cap) does not fit: reserve the whole context; the
-        # engine ends the session (context_length_exceeded) if its real chunks ever do not fit
-        # after an eviction and a consolidation.
-        log.info("session budget reserved as a whole context: %s", problem)
-        return unbounded_footprint(self.max_model_len, self.block_size), False
+        """What admission reserves for a session, and whether that is its bounded footprint."""
+        admitted = self.admission.admit(config, instructions_tokens=instructions_tokens)
+        if admitted.whole_context_because is not None:
+            log.info(
+                "session budget reserved as a whole context: %s", admitted.whole_context_because
+            )
+        return admitted.footprint, admitted.bounded
 
     def reservation_blocks(self, config: SessionConfig | None = None) -> int:
         """Blocks admission reserves for a session opened with `config` (None: the defaults)
         and no instructions."""
         if config is None:
             config = SessionConfig(modality="video" if self.multimodal else "text")
-        return self.admit(config, instructions_tokens=0)[0].blocks
+        return self.admission.admit(config, instructions_tokens=0).footprint.blocks
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -289,13 +223,8 @@ class SessionHub:
         if not config.instructions:
             return 0
         # The system turn as render_chunk writes it.
-        n = self.count_tokens(f"<|im_start|>system\n{config.instructions}<|im_end|>\n")
-        cap = self.config.max_instructions_tokens
-        if n > cap:
-            raise InvalidRequestError(
-                f"session.open.instructions is {n} tokens; at most {cap} "
-                "(limits.max_instructions_tokens)"
-            )
+        n = self.count_tokens(self.chat.system_turn(config.instructions))
+        self.admission.check_instructions(n)
         return n
 
     def reserved_total(self) -> int:
@@ -312,36 +241,14 @@ class SessionHub:
         # right after the engine died a session.open must already be refused with engine_error.
         if not await self.check_engine():
             raise EngineError(f"the engine is down: {self.engine_failure}")
-        if len(self.sessions) >= self.config.max_sessions:
-            raise CapacityExceeded(
-                f"{len(self.sessions)} sessions are open; this server runs at most "
-                f"{self.config.max_sessions}"
-            )
-        if self.engine_slots is not None and len(self.sessions) >= self.engine_slots:
-            raise CapacityExceeded(
-                f"{len(self.sessions)} sessions are open; the engine runs at most "
-                f"{self.engine_slots} requests (max_num_seqs)"
-            )
-        per_key = self.config.max_sessions_per_key
-        if per_key is not None:
-            mine = sum(1 for r in self.sessions.values() if r.owner == owner)
-            if mine >= per_key:
-                raise CapacityExceeded(
-                    f"this API key holds {mine} sessions; at most {per_key} per key"
-                )
+        mine = sum(1 for r in self.sessions.values() if r.owner == owner)
+        self.admission.check_session_counts(len(self.sessions), mine)
         validate_format(config.sampling.response_format, "session.open.sampling.response_format")
         instructions_tokens = self._instructions_tokens(config)
         fp, bounded = self.admit(config, instructions_tokens=instructions_tokens)
-        free = self.usable_blocks - self.reserved_total()
-        if fp.blocks > free:
-            raise CapacityExceeded(
-                f"the engine's KV cache cannot hold another session: this one needs "
-                f"{fp.blocks} blocks of {self.block_size} tokens ({fp.describe()}), but only "
-                f"{max(free, 0)} of {self.usable_blocks} are not reserved by the "
-                f"{len(self.sessions)} open sessions; a smaller window or max_tokens needs less"
-            )
+        self.admission.check_pool(fp, self.reserved_total(), len(self.sessions))
         session = EngineSession(
-            self.engine, protocol.session_id, config.sampling, self.retention_args(config)
+            self.engine, protocol.session_id, config.sampling, self.admission.retention_args(config)
         )
         record = SessionRecord(
             protocol,
@@ -401,41 +308,22 @@ class SessionHub:
     # -- one turn
 
     def check_chunk(self, record: SessionRecord, frame: Frame, prompt: dict[str, Any]) -> None:
-        """Refuse a chunk larger than admission assumed, or one the context cannot take.
-
-        The prompt text (template, turn text, frame prompt) is tokenized exactly; a frame's
-        image or clip adds at most what the processor's max pixels give, a clip no more frames
-        than the session's cap."""
+        """Refuse a chunk larger than admission assumed, or one the context cannot take: its
+        prompt text (template, turn text, frame prompt) is tokenized exactly here, the rest is
+        `Admission.check_chunk`."""
         config = record.protocol.config
         assert config is not None
         text_tokens = self.count_tokens(prompt["prompt"])
         if record.engine_session.chunks == 0:
             text_tokens -= record.instructions_tokens  # counted at open, pinned
-        cap, clip_cap = self.chunk_caps(config)
-        if text_tokens > cap:
-            raise ChunkTooLarge(
-                f"this chunk's text is {text_tokens} tokens; at most {cap} "
-                "(limits.max_chunk_tokens). It was not run; send it in smaller pieces"
-            )
         clip = prompt.get("multi_modal_data", {}).get("video")
-        if clip is not None and self.media is not None:
-            frames = int(clip.shape[0])
-            if self.media.clip_tokens(frames) > self.media.chunk_tokens(clip_cap):
-                raise ChunkTooLarge(
-                    f"this clip has {frames} frames; at most {clip_cap} "
-                    "(limits.max_clip_frames). It was not run; send shorter clips"
-                )
-        if self.retention_args(config) is not None:
-            # Bounded: the engine checks what the session holds after this fold's eviction
-            # (a budget chosen by the client was also checked to fit at open).
-            return
-        chunk = text_tokens + (self.media_tokens(config) if frame.kind != "text" else 0)
-        need = record.engine_session.context_tokens + chunk + config.sampling.max_tokens
-        if need > self.max_model_len:
-            raise ContextExceeded(
-                f"this chunk would take the session to about {need} tokens; the model's "
-                f"context is {self.max_model_len}"
-            )
+        self.admission.check_chunk(
+            config,
+            text_tokens=text_tokens,
+            clip_frames=None if clip is None else int(clip.shape[0]),
+            is_frame=frame.kind != "text",
+            held_tokens=record.engine_session.tokens_in_context,
+        )
 
     async def run_turn(
         self,
@@ -465,6 +353,7 @@ class SessionHub:
                 render_chunk,
                 frame,
                 config,
+                chat=self.chat,
                 first=es.chunks == 0,
                 multimodal=self.multimodal,
                 after_reply=es.turn_open,
@@ -515,7 +404,7 @@ class SessionHub:
         """Tokens of the turn close a chunk after an answered one starts with."""
         if self._reply_close_tokens is None:
             self._reply_close_tokens = (
-                len(self.tokenizer.encode(REPLY_CLOSE, add_special_tokens=False))
+                len(self.tokenizer.encode(self.chat.assistant_close, add_special_tokens=False))
                 if self.tokenizer is not None
                 else 0
             )
@@ -534,9 +423,7 @@ class SessionHub:
         if frame.response_format is not None:
             fmt = frame.response_format
             validate_format(fmt, "frame.append.response_format")
-        return es.chunk_params(
-            reply=True, structured_outputs=structured_outputs(fmt), kind=kind, head=head
-        )
+        return es.chunk_params(reply=True, response_format=fmt, kind=kind, head=head)
 
     def retention_state(self, record: SessionRecord) -> RetentionState:
         """The session's state for response.done, from EngineCore's last report (it rides on
@@ -546,7 +433,7 @@ class SessionHub:
         if report is None or report.error is not None:
             # No chunk boundary yet, or the engine ended the session (its blocks are freed).
             return RetentionState(
-                frames_retained=es.chunks, tokens_retained=es.context_tokens, kv_blocks_held=0
+                frames_retained=es.chunks, tokens_retained=es.tokens_in_context, kv_blocks_held=0
             )
         counters = report.retention
         return RetentionState(
@@ -580,18 +467,8 @@ class SessionHub:
             raise InvalidEvent(
                 f"session.open.modality: {self.model_name!r} takes text only; use 'text'"
             )
-
-
-def _media_bounds(model_path: str) -> MediaBounds:
-    """Most tokens an image or clip becomes, from the model's processor config (Qwen-VL style:
-    max pixels, patch and merge size); large defaults when the config says nothing."""
-    import json
-    from pathlib import Path
-
-    config: dict[str, Any] = {}
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        path = Path(model_path) / name
-        if path.is_file():
-            config = json.loads(path.read_text())
-            break
-    return media_bounds(config) or MediaBounds(image_tokens=1024, clip_frame_tokens=1024)
+        if config.modality == "video" and self.chat.image is None:
+            raise InvalidEvent(
+                f"session.open.modality: the chat template of {self.model_name!r} writes no "
+                "image placeholder, so this server cannot send it frames; use 'text'"
+            )

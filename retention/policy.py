@@ -7,8 +7,9 @@ Theory of operation
 ===================
 
 A session is ONE long-lived request whose KV cache holds a token sequence in *cache order*
-(index 0 = first token held). Every chunk folded into it (prompt, text turn, image, video clip,
-the model's reply) is a :class:`HistorySegment`; a :class:`SessionHistory` is the tuple of
+(index 0 = first token held). Every chunk folded into it is a :class:`HistorySegment` of a
+:data:`SegmentKind` (a whole chunk with its kept reply, or with a text window its prompt and its
+reply apart); a :class:`SessionHistory` is the tuple of
 segments in cache order plus counters.
 
 Invariant (checked whenever a :class:`SessionHistory` is built):
@@ -42,7 +43,7 @@ disjoint, sorted, in current cache coordinates, and never touch a sink or the pr
 
 Remnants. Rounding inward can leave up to ``bs - 1`` tokens of a dropped run at each end: the
 head of its first segment and the tail of its last one. Those tokens stay in the cache as
-*remnant* segments (kind, index, positions and ``mm_hashes`` kept, ``remnant=True``). A remnant
+*remnant* segments (kind, index and positions kept, ``remnant=True``). A remnant
 no longer counts as a chunk of the window (its tokens still count as retained tokens) and,
 being the oldest candidate, is dropped again with the next batch, where it usually falls inside
 the next coalesced run. The tokens sharing a block with a sink (right after the sinks) can
@@ -69,7 +70,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
-from typing import Final, Literal, TypeAlias
+from typing import Final, Literal, TypeAlias, get_args
 
 __all__ = [
     "CHUNK_HEAD_KEY",
@@ -95,10 +96,12 @@ __all__ = [
     "retained_tokens",
 ]
 
-SegmentKind: TypeAlias = Literal["prompt", "text", "image", "video", "reply"]
-"""The kinds the server uses; any non-empty string is accepted."""
+SegmentKind: TypeAlias = Literal["chunk", "text", "frame", "reply"]
+"""What a segment holds, as the vLLM adapter records it: "chunk", a whole chunk and its kept reply
+(one window); with ``text_window_tokens`` a chunk's prompt, "text" (a question or text turn) or
+"frame", and "reply" (a reply, with the head of the next chunk that closes its turn)."""
 
-SEGMENT_KINDS: Final[frozenset[str]] = frozenset({"prompt", "text", "image", "video", "reply"})
+SEGMENT_KINDS: Final[frozenset[str]] = frozenset(get_args(SegmentKind))
 
 TEXT_KINDS: Final[frozenset[str]] = frozenset({"text", "reply"})
 """Kinds kept by ``text_window_tokens`` when it is set (questions, text turns, replies)."""
@@ -133,34 +136,30 @@ class HistorySegment:
 
     ``start``/``end`` are token offsets in the CURRENT cache coordinates (``[start, end)``);
     ``position_start`` is the original RoPE position of the first token (positions are
-    contiguous inside a segment). ``mm_hashes`` are the encoder-cache entries of the chunk.
+    contiguous inside a segment).
     """
 
     index: int
-    kind: str
+    kind: SegmentKind
     start: int
     end: int
     position_start: int
     pinned: bool = False
     remnant: bool = False
-    mm_hashes: tuple[str, ...] = ()
-    timestamp: float | None = None
 
     def __post_init__(self) -> None:
         if self.index < 0:
             raise ValueError(f"segment index must be >= 0, got {self.index}")
-        if not isinstance(self.kind, str) or not self.kind:
-            raise ValueError(f"segment kind must be a non-empty string, got {self.kind!r}")
+        if self.kind not in SEGMENT_KINDS:
+            raise ValueError(
+                f"segment kind must be one of {sorted(SEGMENT_KINDS)}, got {self.kind!r}"
+            )
         if not 0 <= self.start < self.end:
             raise ValueError(f"segment needs 0 <= start < end, got [{self.start}, {self.end})")
         if self.position_start < 0:
             raise ValueError(f"segment position_start must be >= 0, got {self.position_start}")
         if self.pinned and self.remnant:
             raise ValueError(f"segment {self.index}: a pinned segment cannot be a remnant")
-        if not isinstance(self.mm_hashes, tuple) or not all(
-            isinstance(h, str) for h in self.mm_hashes
-        ):
-            raise ValueError(f"segment {self.index}: mm_hashes must be a tuple of strings")
 
     @property
     def num_tokens(self) -> int:
@@ -379,10 +378,6 @@ class SessionHistory:
             raise IndexError(f"cache index {cache_index} outside [0, {self.num_tokens})")
         return self.segments[bisect_right(self.segments, cache_index, key=_start) - 1]
 
-    def held_mm_hashes(self) -> frozenset[str]:
-        """Encoder-cache entries of every segment with a token held (remnants included)."""
-        return frozenset(h for seg in self.segments for h in seg.mm_hashes)
-
 
 def _start(seg: HistorySegment) -> int:
     return seg.start
@@ -390,12 +385,10 @@ def _start(seg: HistorySegment) -> int:
 
 def append_segment(
     history: SessionHistory,
-    kind: SegmentKind | str,
+    kind: SegmentKind,
     num_tokens: int,
     *,
     pinned: bool = False,
-    mm_hashes: Sequence[str] = (),
-    timestamp: float | None = None,
 ) -> SessionHistory:
     """Record a chunk folded in at the end of the cache; positions continue from next_position().
 
@@ -412,8 +405,6 @@ def append_segment(
         end=start + num_tokens,
         position_start=history.position_cursor,
         pinned=pinned or history.next_index < history.sink_chunks,
-        mm_hashes=tuple(mm_hashes),
-        timestamp=timestamp,
     )
     return replace(
         history,
@@ -464,15 +455,13 @@ class EvictionPlan:
     ``dropped_segments``: chunk indices the policy gives up on (pass them to
     :func:`apply_eviction`); ``evicted_segments``: those with no token left once ``ranges`` are
     freed; ``remnant_segments``: the others (some tokens stay, see module docstring).
-    ``released_mm_hashes``: encoder-cache entries of newly dropped chunks that no kept chunk
-    uses. ``tokens_freed`` is the total width of ``ranges``.
+    ``tokens_freed`` is the total width of ``ranges``.
     """
 
     ranges: tuple[tuple[int, int], ...] = ()
     dropped_segments: tuple[int, ...] = ()
     evicted_segments: tuple[int, ...] = ()
     remnant_segments: tuple[int, ...] = ()
-    released_mm_hashes: tuple[str, ...] = ()
     tokens_freed: int = 0
 
     @property
@@ -557,22 +546,11 @@ def _describe(
         if seg.index in dropped_indices:
             kept = seg.num_tokens - _covered(seg.start, seg.end, ranges)
             left[seg.index] = left.get(seg.index, 0) + kept
-    dropped_ids = {id(seg) for seg in dropped}
-    kept_hashes = {
-        h
-        for seg in history.segments
-        if id(seg) not in dropped_ids and not seg.remnant
-        for h in seg.mm_hashes
-    }
-    released = dict.fromkeys(
-        h for seg in dropped if not seg.remnant for h in seg.mm_hashes if h not in kept_hashes
-    )
     return EvictionPlan(
         ranges=ranges,
         dropped_segments=dropped_indices,
         evicted_segments=tuple(i for i in dropped_indices if left[i] == 0),
         remnant_segments=tuple(i for i in dropped_indices if left[i] > 0),
-        released_mm_hashes=tuple(released),
         tokens_freed=sum(b - a for a, b in ranges),
     )
 

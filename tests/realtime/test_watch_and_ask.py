@@ -21,7 +21,7 @@ import pytest
 import websockets
 
 from protocol import Frame, SamplingConfig, SessionConfig
-from realtime.engine_session import EngineSession, render_chunk
+from realtime.engine_session import EngineSession, chat_format_of, render_chunk
 from realtime.models import model_dir
 from tests.realtime.conftest import SUBPROTOCOLS, jpeg_bytes, open_session, recv, recv_until
 
@@ -56,6 +56,7 @@ class Driver:
         self.inputs: asyncio.Queue[Any] = asyncio.Queue()
         self.outputs: Any = None
         self.config = SessionConfig(modality="text")
+        self.chat = chat_format_of(engine)
 
     async def _stream(self) -> Any:
         while True:
@@ -67,6 +68,7 @@ class Driver:
         prompt = render_chunk(
             frame,
             self.config,
+            chat=self.chat,
             first=self.es.chunks == 0,
             multimodal=False,
             after_reply=self.es.turn_open,

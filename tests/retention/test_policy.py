@@ -56,11 +56,11 @@ def all_positions(history: SessionHistory) -> list[int]:
 
 
 def chunk_window_history(num_chunks: int) -> tuple[RetentionBudget, SessionHistory]:
-    """Sink: 1 prompt chunk of 20 tokens; then ``num_chunks`` image chunks of 24 tokens."""
+    """Sink: 1 chunk of 20 tokens; then ``num_chunks`` frame chunks of 24 tokens."""
     budget = RetentionBudget(sink_chunks=1, window_chunks=4)
-    history = append_segment(SessionHistory.for_budget(budget), "prompt", 20)
+    history = append_segment(SessionHistory.for_budget(budget), "chunk", 20)
     for _ in range(num_chunks):
-        history = append_segment(history, "image", 24, mm_hashes=(f"h{history.next_index}",))
+        history = append_segment(history, "frame", 24)
     return budget, history
 
 
@@ -80,7 +80,6 @@ def test_ten_chunks_at_once_coalesce_into_one_aligned_range() -> None:
         dropped_segments=(1, 2, 3, 4, 5, 6, 7),
         evicted_segments=(2, 3, 4, 5, 6),
         remnant_segments=(1, 7),
-        released_mm_hashes=("h1", "h2", "h3", "h4", "h5", "h6", "h7"),
         tokens_freed=144,
     )
     after = apply_eviction(history, plan.ranges, dropped=plan.dropped_segments)
@@ -98,7 +97,6 @@ def test_ten_chunks_at_once_coalesce_into_one_aligned_range() -> None:
     assert (after.evictions_total, after.num_chunks) == (1, 6)
     assert retained_chunks(after, budget) == 3
     assert after.next_position() == 260  # 20 + 10 * 24: positions are never reused
-    assert after.held_mm_hashes() == {"h1", "h7", "h8", "h9", "h10"}
 
 
 def test_chunk_window_evicts_in_batches_with_exact_ranges() -> None:
@@ -109,7 +107,7 @@ def test_chunk_window_evicts_in_batches_with_exact_ranges() -> None:
     budget, history = chunk_window_history(0)
     events: list[tuple[int, tuple[tuple[int, int], ...]]] = []
     for chunk in range(1, 12):
-        history = append_segment(history, "image", 24)
+        history = append_segment(history, "frame", 24)
         plan, history = evict(history, budget, 16, 24)
         if not plan.is_empty:
             events.append((chunk, plan.ranges))
@@ -256,12 +254,11 @@ def test_one_big_chunk_leaves_a_head_and_a_tail_remnant() -> None:
     # remnant pieces with the same index (positions 20.. and 112..).
     budget = RetentionBudget(sink_chunks=1, window_chunks=1, low_watermark_ratio=1.0)
     history = SessionHistory.for_budget(budget)
-    history = append_segment(history, "prompt", 20)
-    history = append_segment(history, "video", 100, mm_hashes=("clip",))
+    history = append_segment(history, "chunk", 20)
+    history = append_segment(history, "frame", 100)
     history = append_segment(history, "text", 10)
     plan, history = evict(history, budget, 16, 10)
     assert plan.ranges == ((32, 112),)
-    assert plan.released_mm_hashes == ("clip",)
     assert spans(history) == [
         (0, 0, 20, False),
         (1, 20, 32, True),
@@ -271,35 +268,17 @@ def test_one_big_chunk_leaves_a_head_and_a_tail_remnant() -> None:
     assert [s.position_start for s in history.segments] == [0, 20, 112, 120]
     assert history.chunks_evicted_total == 0  # chunk 1 still holds tokens
     # Next batch: remnants first, then chunk 2: run [20,50) -> [32,48); chunk 1's tail piece
-    # goes, its head stays stuck in the sink's block; chunk 2 keeps [48,50). The clip's hash is
-    # not released twice.
+    # goes, its head stays stuck in the sink's block; chunk 2 keeps [48,50).
     history = append_segment(history, "text", 10)
     plan, history = evict(history, budget, 16, 10)
     assert plan.ranges == ((32, 48),)
     assert (plan.dropped_segments, plan.remnant_segments) == ((1, 2), (1, 2))
-    assert plan.released_mm_hashes == ()
     assert spans(history) == [
         (0, 0, 20, False),
         (1, 20, 32, True),
         (2, 32, 34, True),
         (3, 34, 44, False),
     ]
-
-
-def test_released_mm_hashes_skip_hashes_a_kept_chunk_still_uses() -> None:
-    # The same image sent twice has one encoder-cache entry; dropping the first copy must not
-    # release it while the second is kept.
-    budget = RetentionBudget(window_chunks=1, low_watermark_ratio=1.0)
-    history = SessionHistory.for_budget(budget)
-    for hashes in (("x", "y"), ("x",), ("z",)):
-        history = append_segment(history, "image", 16, mm_hashes=hashes)
-    plan = plan_eviction(history, budget, 16, 0)
-    assert plan.dropped_segments == (0, 1)
-    assert plan.released_mm_hashes == ("x", "y")  # first appearance order, no duplicates
-    history = append_segment(history, "image", 16, mm_hashes=("y",))
-    plan = plan_eviction(history, budget, 16, 16)
-    assert plan.dropped_segments == (0, 1, 2)
-    assert plan.released_mm_hashes == ("x", "z")  # "y" is still used by chunk 3
 
 
 # --------------------------------------------------------------------------- apply_eviction
@@ -390,18 +369,17 @@ def test_append_continues_positions_and_pins_sink_chunks() -> None:
     budget = RetentionBudget(sink_chunks=2, window_chunks=2)
     history = SessionHistory.for_budget(budget)
     for n in (5, 6, 7):
-        history = append_segment(history, "text", n, timestamp=1.5)
-    history = append_segment(history, "image", 3, pinned=True, mm_hashes=["m"])
+        history = append_segment(history, "text", n)
+    history = append_segment(history, "frame", 3, pinned=True)
     assert [s.pinned for s in history.segments] == [True, True, False, True]
     assert [s.position_start for s in history.segments] == [0, 5, 11, 18]
-    assert history.segments[3].mm_hashes == ("m",)
-    assert history.segments[0].timestamp == 1.5
     assert (history.num_tokens, history.next_index, history.next_position()) == (21, 4, 21)
     for bad in (0, -1, True):
         with pytest.raises(ValueError, match="num_tokens"):
             append_segment(history, "text", bad)
-    with pytest.raises(ValueError, match="kind"):
-        append_segment(history, "", 3)
+    for kind in ("", "image"):  # only the kinds the adapter records
+        with pytest.raises(ValueError, match="kind"):
+            append_segment(history, kind, 3)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- budget
@@ -650,14 +628,14 @@ def test_long_runs_stay_bounded(budget: RetentionBudget, block_size: int, seed: 
     history = SessionHistory.for_budget(budget)
     sink_total = 0
     for _ in range(200):
-        for kind, most in (("image", max_chunk), ("reply", max_reply)):
+        for kind, most in (("frame", max_chunk), ("reply", max_reply)):
             n = rnd.randint(1, most)
             if needs_consolidation(history, budget, n, limit):
                 history = consolidate(history)
             history = append_segment(history, kind, n)
             if history.segments[-1].pinned:
                 sink_total += n
-            if kind == "image":
+            if kind == "frame":
                 _, history = evict(history, budget, block_size, n)
         assert retained_tokens(history, budget) <= bound
         assert history.num_tokens <= sink_total + budget.sink_tokens + bound
