@@ -67,8 +67,9 @@ _install()  # in EngineCore, when vLLM resolves scheduler_cls
 class TextSession:
     def __init__(self, engine: Any, max_tokens: int) -> None:
         from protocol import SamplingConfig, SessionConfig
-        from realtime.engine_session import EngineSession
+        from realtime.engine_session import EngineSession, chat_format_of
 
+        self.chat = chat_format_of(engine)
         self.es = EngineSession(
             engine,
             f"ab-{uuid.uuid4().hex[:12]}",
@@ -90,7 +91,12 @@ class TextSession:
         text = f"Frame {i}: the hallway is empty; the door on the left is closed."
         frame = Frame(i, None, "text", None, text.encode(), text, None, None)
         prompt = render_chunk(
-            frame, self.config, first=i == 0, multimodal=False, after_reply=self.es.turn_open
+            frame,
+            self.config,
+            first=i == 0,
+            multimodal=False,
+            after_reply=self.es.turn_open,
+            chat=self.chat,
         )
         started = time.perf_counter()
         report = None
