@@ -850,9 +850,7 @@ def needs_consolidation(
     return history.next_position() + incoming_tokens > limit
 
 
-def idle_consolidation_due(
-    position_cursor: int, expected_incoming: int, limit: int | None
-) -> bool:
+def idle_consolidation_due(position_cursor: int, expected_incoming: int, limit: int | None) -> bool:
     """Whether a bounded session should consolidate now, while it is idle (between a reply
     and the next chunk), rather than on the next chunk's path.
 
