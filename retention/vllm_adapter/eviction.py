@@ -283,6 +283,8 @@ class SessionRetention:
         state = self.sessions.get(request.request_id)
         if state is None:
             return None
+        # Any re-prefill is over (a fold comes only after the chunk stopped): lift its cap.
+        state.reprefill_end = 0
         history = state.history
         computed = int(request.num_computed_tokens)
         new_tokens = computed - history.num_tokens
