@@ -6,7 +6,7 @@
 For each model (SmolLM2-135M text turns, then the tiny Qwen2-VL with 112×112 image frames) and
 each mode, one engine and ONE bounded session on the server's own path (`EngineSession`,
 `render_chunk`), frames paced by a client clock (`--period-ms`: a frame every period, or at
-once when the previous one ended late), every frame answered (`--max-tokens`, EOS ignored):
+once when the previous one ended late; or `--gap-ms` of idle time after each reply), every frame answered (`--max-tokens`, EOS ignored):
 
 * `idle` (today's code): consolidation while the session is idle (a control chunk after the
   boundary whose report asks for it), re-prefills in pieces of repeating sizes (128, then
@@ -135,6 +135,9 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
                 if isinstance(item, ChunkFinished):
                     finished = item
             latency = (time.perf_counter() - t0) * 1e3
+            if args.gap_ms is not None:
+                # Idle time after each reply instead of a fixed frame clock.
+                next_send = time.perf_counter() + args.gap_ms / 1e3
             assert finished is not None and finished.report is not None
             report = finished.report
             counters = report.retention
@@ -188,6 +191,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         "block_size": args.block_size,
         "reprefill_piece": args.piece if mode == "idle" else 0,
         "period_ms": args.period_ms,
+        "gap_ms": args.gap_ms,
         "max_tokens": args.max_tokens,
         "loadavg_before": load_before,
         "loadavg_after": loadavg(),
@@ -247,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--period-ms", type=float, default=300.0)
+    parser.add_argument(
+        "--gap-ms", type=float, default=None, help="idle time after each reply (overrides period)"
+    )
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--piece", type=int, default=128, help="re-prefill piece, idle mode")
     parser.add_argument("--max-model-len", type=int, default=1024)
