@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 
+CPU_DEFAULT_BLOCK_SIZE = 32
+"""KV block size on the CPU build when none is given (vLLM's own CPU default is 128). Eviction
+frees whole blocks, so a window is honoured to within one block: 32 tokens, the smallest the CPU
+attention backend takes, keeps a video window of 36-token frames within a frame of its size
+(measured in docs/benchmarks.md, "Tail latency")."""
+
+
 class EngineConfigError(RuntimeError):
     """A requested engine configuration that bounded streaming sessions cannot work with."""
 
@@ -104,6 +111,8 @@ def build_engine_args(settings: EngineSettings) -> Any:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     if settings.block_size is not None:
         kwargs["block_size"] = settings.block_size
+    elif not _has_cuda():
+        kwargs["block_size"] = CPU_DEFAULT_BLOCK_SIZE
     kwargs.update(extra)
     args = AsyncEngineArgs(**kwargs)
     return args

@@ -11,6 +11,13 @@ What the session holds comes back on the reply itself: the output that closes a 
 EngineCore's `SessionReport` (retention/records.py), and an engine-side end carries one with its
 error code. vLLM's errors are mapped to protocol errors here, once (`_engine_failure`): nothing
 above this module sees a vLLM exception or parses a vLLM string.
+
+Idle consolidation (bounded sessions): when the report on a chunk's boundary says the next chunk
+would consolidate on its own path (`consolidate_when_idle`), the session sends a control chunk
+at once, in a background task, while the client reads the reply and prepares its next chunk
+(retention/vllm_adapter/eviction.py: the engine drops the control's tokens and re-prefills the
+window). The next `run_chunk` first waits for that control chunk's boundary, so one chunk is in
+flight at a time and a chunk that arrives during the consolidation runs right after it.
 """
 
 from __future__ import annotations
@@ -37,7 +44,13 @@ from protocol import (
 from realtime.media import decode_clip, decode_image
 from realtime.prompt_format import ChatFormat, ChatFormatError
 from realtime.structured import structured_outputs
-from retention.policy import CHUNK_HEAD_KEY, CHUNK_KIND_KEY, REQUEST_ARGS_KEY
+from retention.policy import (
+    CHUNK_HEAD_KEY,
+    CHUNK_KIND_KEY,
+    CONSOLIDATE,
+    CONTROL_KEY,
+    REQUEST_ARGS_KEY,
+)
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
 
 
@@ -232,9 +245,12 @@ class EngineSession:
         retention: dict[str, Any] | None = None,
         *,
         ignore_eos: bool = False,
+        idle_consolidation: bool = True,
     ) -> None:
         """`retention`: the engine budget (`extra_args["streaming_retention"]`), if bounded.
-        `ignore_eos`: replies always run to max_tokens (benchmarks, for comparable turns)."""
+        `ignore_eos`: replies always run to max_tokens (benchmarks, for comparable turns).
+        `idle_consolidation`: consolidate between chunks when the engine asks (bounded
+        sessions); False leaves every consolidation on a chunk's path (benchmarks)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -254,6 +270,10 @@ class EngineSession:
         if retention is not None:
             self._sampling_params.extra_args = {REQUEST_ARGS_KEY: retention}
         self.bounded = retention is not None
+        self.idle_consolidation = idle_consolidation and self.bounded
+        # The control chunk in flight (idle consolidation), and how many ran.
+        self._idle_task: asyncio.Task[None] | None = None
+        self.idle_consolidations = 0
         self.prompt_tokens_total = 0
         self.chunks = 0
         self.finished = False
@@ -307,9 +327,10 @@ class EngineSession:
         chunk; the token sampled to end it is neither yielded nor counted in ChunkFinished."""
         from vllm.engine.protocol import StreamingInput
 
+        started = time.perf_counter()
+        await self._wait_idle_consolidation()
         if self.finished:
             raise EngineError("the engine ended this session")
-        started = time.perf_counter()
         self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
         if self._outputs is None:
             self._outputs = self.engine.generate(
@@ -355,6 +376,13 @@ class EngineSession:
                 self.turn_open = reply
                 if report is not None:
                     self.boundary_report = report
+                if (
+                    self.idle_consolidation
+                    and report is not None
+                    and report.retention is not None
+                    and report.retention.consolidate_when_idle
+                ):
+                    self._idle_task = asyncio.create_task(self._consolidate_idle())
                 now = time.perf_counter()
                 yield ChunkFinished(
                     finish_reason=completion_out.finish_reason,
@@ -367,6 +395,62 @@ class EngineSession:
                     report=report,
                 )
                 return
+
+    async def _wait_idle_consolidation(self) -> None:
+        """Wait for the control chunk in flight, if any (its failure is this chunk's). Shielded:
+        a cancelled caller leaves it running, and the next chunk waits for it again."""
+        task = self._idle_task
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._idle_task = None
+
+    async def _consolidate_idle(self) -> None:
+        """Send one control chunk (consolidate now) and read its outputs up to its boundary."""
+        from vllm.engine.protocol import StreamingInput
+        from vllm.inputs import TokensPrompt
+
+        params = self._sampling_params.clone()
+        params.max_tokens = 1
+        params.min_tokens = 0
+        params.logprobs = None
+        params.structured_outputs = None
+        params.extra_args = {**(params.extra_args or {}), CONTROL_KEY: CONSOLIDATE}
+        # The token is never computed: the scheduler drops it at the fold.
+        prompt = TokensPrompt(prompt_token_ids=[0])
+        self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
+        assert self._outputs is not None
+        while True:
+            try:
+                out = await self._outputs.__anext__()
+            except StopAsyncIteration:
+                self.finished = True
+                raise EngineError("the engine ended this session") from None
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.finished = True
+                raise _engine_failure(exc) from None
+            report = SessionReport.from_wire(out.kv_transfer_params)
+            completion_out = out.outputs[0] if out.outputs else None
+            if out.finished:
+                self.finished = True
+                self.end_report = report
+                finish = getattr(completion_out, "finish_reason", None)
+                raise _engine_failure(report=report, finish_reason=finish)
+            if completion_out is not None and completion_out.finish_reason is not None:
+                if report is not None:
+                    self.boundary_report = report
+                self.idle_consolidations += 1
+                return
+
+    @property
+    def consolidating(self) -> bool:
+        """A control chunk (idle consolidation) is in flight."""
+        return self._idle_task is not None and not self._idle_task.done()
 
     @property
     def last_report(self) -> SessionReport | None:
@@ -385,6 +469,13 @@ class EngineSession:
         `run_chunk` first. The input stream is NOT ended here: ending it makes vLLM send its
         final "finished" request, which would race with the abort."""
         self.finished = True
+        task, self._idle_task = self._idle_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        elif task is not None and not task.cancelled():
+            task.exception()  # retrieved: a failed consolidation is not logged as unhandled
         if self._outputs is not None:
             outputs, self._outputs = self._outputs, None
             # GeneratorExit inside generate() makes vLLM abort the request itself.

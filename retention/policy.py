@@ -75,6 +75,8 @@ from typing import Final, Literal, TypeAlias, get_args
 __all__ = [
     "CHUNK_HEAD_KEY",
     "CHUNK_KIND_KEY",
+    "CONSOLIDATE",
+    "CONTROL_KEY",
     "REQUEST_ARGS_KEY",
     "SEGMENT_KINDS",
     "TEXT_KINDS",
@@ -88,10 +90,13 @@ __all__ = [
     "apply_eviction",
     "consolidate",
     "eviction_rounds",
+    "idle_consolidation_due",
     "needs_consolidation",
     "plan_eviction",
     "plan_frame_eviction",
     "plan_text_eviction",
+    "reprefill_piece",
+    "reprefill_pieces",
     "retained_chunks",
     "retained_tokens",
 ]
@@ -116,6 +121,14 @@ reply's turn (they are kept with that reply, as text, when ``text_window_tokens`
 
 REQUEST_ARGS_KEY: Final = "streaming_retention"
 """Key of the budget dict in ``SamplingParams.extra_args``."""
+
+CONTROL_KEY: Final = "streaming_control"
+"""``SamplingParams.extra_args`` key of a *control chunk*: a chunk that carries no content for
+the session. Its prompt tokens are dropped by the scheduler at the fold, and the one token it
+samples is dropped by the next fold, so the context gains nothing from it."""
+
+CONSOLIDATE: Final = "consolidate"
+"""The control chunk that consolidates a bounded session now, while it is idle."""
 
 _INT_KEYS: Final = ("sink_tokens", "sink_chunks")
 _OPTIONAL_INT_KEYS: Final = ("window_chunks", "window_tokens", "max_position", "text_window_tokens")
@@ -813,3 +826,48 @@ def needs_consolidation(
     if limit is None:
         return False
     return history.next_position() + incoming_tokens > limit
+
+
+def idle_consolidation_due(position_cursor: int, expected_incoming: int, limit: int | None) -> bool:
+    """Whether a bounded session should consolidate now, while it is idle (between a reply
+    and the next chunk), rather than on the next chunk's path.
+
+    ``position_cursor`` is the next position the session would hand out (every token computed
+    so far counted, the chunk just answered and its reply included); ``expected_incoming`` the
+    largest chunk plus reply seen so far. True when a chunk that large would pass ``limit``
+    (exclusive), i.e. the next fold would have to consolidate: :func:`needs_consolidation`
+    on the same figures. False without a limit or before any chunk was seen.
+    """
+    for name, value in (("position_cursor", position_cursor), ("expected", expected_incoming)):
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if limit is None or expected_incoming == 0:
+        return False
+    return position_cursor + expected_incoming > limit
+
+
+def reprefill_piece(remaining: int, piece: int) -> int:
+    """Tokens to compute in the next step of a re-prefill that has ``remaining`` tokens left.
+
+    Whole pieces of ``piece`` tokens first, then the rest in falling powers of two, so that every
+    step size is ``piece`` or a power of two below it: a re-prefill of any length runs in at
+    most ``log2(piece) + 1`` distinct step sizes (the CPU worker keeps state per distinct step
+    size), in ``remaining // piece + popcount(remaining % piece)`` steps. ``piece`` must be a
+    power of two; ``piece == 0`` disables the split (the whole rest in one step).
+    """
+    if not _is_int(remaining) or remaining < 1:
+        raise ValueError(f"remaining must be an integer >= 1, got {remaining!r}")
+    if not _is_int(piece) or piece < 0 or piece & (piece - 1):
+        raise ValueError(f"piece must be 0 or a power of two, got {piece!r}")
+    if piece == 0 or remaining >= piece:
+        return piece or remaining
+    return 1 << (remaining.bit_length() - 1)
+
+
+def reprefill_pieces(total: int, piece: int) -> list[int]:
+    """Every step of a re-prefill of ``total`` tokens, in order (:func:`reprefill_piece`)."""
+    steps: list[int] = []
+    while total > 0:
+        steps.append(reprefill_piece(total, piece))
+        total -= steps[-1]
+    return steps

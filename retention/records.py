@@ -51,6 +51,9 @@ class RetentionCounters:
     """Eviction batches run over the session's life."""
     consolidations: int
     """Re-prefills of the survivors at positions 0..n-1 over the session's life."""
+    consolidate_when_idle: bool = False
+    """The next chunk (as large as the largest so far) would consolidate on its own path: the
+    front end should consolidate now, while the session is idle (a control chunk)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,18 @@ def test_engine_guards_refuse_unservable_configs() -> None:
             build_engine_args(EngineSettings(model="tiny-qwen2-vl", extra=extra))
 
 
+def test_cpu_default_block_size_is_32_and_a_given_one_wins() -> None:
+    from realtime.engine import CPU_DEFAULT_BLOCK_SIZE, EngineSettings, build_engine_args
+
+    assert CPU_DEFAULT_BLOCK_SIZE == 32
+    args = build_engine_args(EngineSettings(model="tiny-qwen2-vl"))
+    assert args.block_size == 32
+    args = build_engine_args(EngineSettings(model="tiny-qwen2-vl", block_size=128))
+    assert args.block_size == 128
+    args = build_engine_args(EngineSettings(model="tiny-qwen2-vl", extra={"block_size": 64}))
+    assert args.block_size == 64
+
+
 def test_retention_max_position_must_be_positive() -> None:
     from realtime.config import ServerConfig
 

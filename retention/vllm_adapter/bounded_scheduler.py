@@ -103,14 +103,30 @@ class BoundedSessionScheduler(RetentionScheduler):
         if not self.retention.is_retention_session(request.request_id):
             return None
         summary = self.retention.summary(request)
+        control = self.retention.sessions[request.request_id].control_fold
         return RetentionCounters(
             # The chunk just answered (and its reply) is not a history segment yet: it becomes
-            # one at the next fold, but it is in the cache all the same.
-            chunks_retained=int(summary["chunks_retained"]) + 1,
+            # one at the next fold, but it is in the cache all the same. A control chunk
+            # (idle consolidation) answers nothing and is not in the cache.
+            chunks_retained=int(summary["chunks_retained"]) + (0 if control else 1),
             chunks_evicted=int(summary["chunks_evicted"]),
             evictions=int(summary["evictions"]),
             consolidations=int(summary["consolidations"]),
+            consolidate_when_idle=self.retention.idle_consolidation_due(request),
         )
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        # vLLM calls this for every request it schedules (running and waiting), last in the
+        # computation of its step's tokens: a retention re-prefill is cut into pieces of
+        # repeating sizes here (eviction.py, step_cap).
+        num_new_tokens = int(
+            super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        )
+        if self.retention.sessions:
+            num_new_tokens = self.retention.step_cap(request, num_computed_tokens, num_new_tokens)
+        return num_new_tokens
 
     def _preempt_request(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, *args, **kwargs)

@@ -42,6 +42,23 @@ complete up to ``num_computed_tokens``.
   chunk; no sample of a re-prefill of old context alone is ever produced. For mRoPE models
   the remnants (pieces of evicted chunks, possibly holding placeholder tokens of a frame that
   is gone) are dropped first, so the re-prefill is a clean prompt of whole chunks.
+* Idle consolidation. A consolidation on a chunk's path costs that chunk a re-prefill of the
+  whole window. So at every chunk boundary the session's report says whether the next chunk
+  (as large as the largest seen) would consolidate (``idle_consolidation_due``), and the front
+  end (``realtime/engine_session.py``) then sends a *control chunk* right away, while the client
+  is idle: ``extra_args[CONTROL_KEY] = CONSOLIDATE``, one token, max_tokens 1. Its fold records
+  the previous chunk and reply as usual, evicts as usual, drops the control's own prompt tokens
+  (never computed) and consolidates; the token it samples is dropped by the next fold, as an
+  ingested chunk's is. The context therefore gains nothing, and the next chunk folds into a
+  consolidated session (no new segment: everything computed is already recorded). A chunk that
+  arrives meanwhile waits in the front end for the control's boundary (one chunk in flight);
+  the report of a control chunk never asks for another one.
+* Re-prefill step sizes. A re-prefill (consolidation or preemption resume) is scheduled in
+  pieces: whole ``reprefill_piece`` tokens (128; ``VLLM_REALTIME_REPREFILL_PIECE``, 0 = one
+  step), then falling powers of two (``policy.reprefill_piece``), through the scheduler's
+  ``_reserve_prefill_lookahead`` hook, which vLLM calls for every request it schedules. The
+  CPU worker keeps state per distinct step size (oneDNN, ~1.35 MB each); whole-window steps
+  made a new size at nearly every consolidation.
 * Preemption. Under KV pressure vLLM preempts a running request: it frees every block, sets
   ``num_computed_tokens`` to 0 and later recomputes the request from its token arrays. A
   bounded session resumes as a consolidation (``on_preempted``): its history is renumbered
@@ -62,12 +79,15 @@ Requests without the key take none of these paths (one dict lookup per fold).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Final
 
 from retention.policy import (
     CHUNK_HEAD_KEY,
     CHUNK_KIND_KEY,
+    CONSOLIDATE,
+    CONTROL_KEY,
     REQUEST_ARGS_KEY,
     TEXT_KINDS,
     RetentionBudget,
@@ -77,10 +97,22 @@ from retention.policy import (
     apply_eviction,
     consolidate,
     eviction_rounds,
+    idle_consolidation_due,
     needs_consolidation,
+    reprefill_piece,
 )
 from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, with_offset_reset
 from retention.vllm_adapter.kv_range import evict_token_range_for_request
+
+REPREFILL_PIECE_ENV: Final = "VLLM_REALTIME_REPREFILL_PIECE"
+"""Tokens per step of a re-prefill (a power of two; 0: the whole re-prefill in one step)."""
+
+DEFAULT_REPREFILL_PIECE: Final = 128
+
+
+def reprefill_piece_from_env() -> int:
+    raw = os.environ.get(REPREFILL_PIECE_ENV, "")
+    return int(raw) if raw.strip() else DEFAULT_REPREFILL_PIECE
 
 
 class RetentionConfigError(ValueError):
@@ -104,6 +136,14 @@ class SessionRetentionState:
     pending_prompt: int = 0
     pending_head: int = 0
     chunks: int = 0
+    # The largest chunk + reply folded in so far (what the next one is expected to need), and
+    # whether the last fold was a control chunk (its report answers no chunk).
+    largest_incoming: int = 0
+    control_fold: bool = False
+    # A re-prefill (consolidation or preemption resume) runs until this many tokens are
+    # computed, in steps of repeating sizes (`step_cap`).
+    reprefill_end: int = 0
+    idle_consolidations: int = 0
 
 
 def budget_of(sampling_params: Any) -> RetentionBudget | None:
@@ -119,6 +159,11 @@ def budget_of(sampling_params: Any) -> RetentionBudget | None:
 def chunk_kind(sampling_params: Any) -> SegmentKind:
     extra = getattr(sampling_params, "extra_args", None) or {}
     return "text" if extra.get(CHUNK_KIND_KEY) == "text" else "frame"
+
+
+def is_consolidation_control(sampling_params: Any) -> bool:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    return bool(extra.get(CONTROL_KEY) == CONSOLIDATE)
 
 
 def chunk_head(sampling_params: Any) -> int:
@@ -174,6 +219,7 @@ class SessionRetention:
         max_model_len: int | None = None,
         uses_mrope: bool = False,
         encoder_cache_manager: Any = None,
+        reprefill_piece: int | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
@@ -181,6 +227,14 @@ class SessionRetention:
         self.max_model_len = max_model_len
         self.uses_mrope = uses_mrope
         self.encoder_cache_manager = encoder_cache_manager
+        self.reprefill_piece = (
+            reprefill_piece_from_env() if reprefill_piece is None else reprefill_piece
+        )
+        piece = self.reprefill_piece
+        if piece < 0 or piece & (piece - 1):
+            raise RetentionConfigError(
+                f"{REPREFILL_PIECE_ENV} must be 0 or a power of two, got {piece}"
+            )
         self.sessions: dict[str, SessionRetentionState] = {}
 
     # -- lifecycle
@@ -221,16 +275,21 @@ class SessionRetention:
         state = self.sessions.get(request.request_id)
         if state is None:
             return None
+        # Any re-prefill is over (a fold comes only after the chunk stopped): lift its cap.
+        state.reprefill_end = 0
         history = state.history
         computed = int(request.num_computed_tokens)
         new_tokens = computed - history.num_tokens
         if new_tokens > 0:
             history = self._record(state, history, new_tokens)
-        # The chunk just folded in (the protected tail): its kind and prompt length, for the
-        # next fold to split it from its reply.
-        state.pending_kind = chunk_kind(request.sampling_params)
-        state.pending_prompt = int(request.num_tokens) - computed
-        state.pending_head = chunk_head(request.sampling_params)
+        control = is_consolidation_control(request.sampling_params)
+        state.control_fold = control
+        if not control:
+            # The chunk just folded in (the protected tail): its kind and prompt length, for
+            # the next fold to split it from its reply.
+            state.pending_kind = chunk_kind(request.sampling_params)
+            state.pending_prompt = int(request.num_tokens) - computed
+            state.pending_head = chunk_head(request.sampling_params)
         freed: list[tuple[int, int]] = []
         for plan_round in eviction_rounds(state.budget):
             plan = plan_round(history, state.budget, self.block_size, 0)
@@ -255,15 +314,25 @@ class SessionRetention:
                 )
             # In the coordinates before this fold's eviction (the mRoPE fold record's).
             freed = _merge_freed(freed, sorted(round_freed))
-        incoming = (
-            int(request.num_tokens) - int(request.num_computed_tokens) + int(request.max_tokens)
-        )
+        if control:
+            # A control chunk carries nothing: drop its prompt tokens (never computed) and
+            # consolidate now, while the session is idle. The one token it samples is dropped
+            # by the next fold, like an ingested chunk's.
+            self._drop_tail(request, int(request.num_computed_tokens))
+            incoming = 0
+            state.idle_consolidations += 1
+        else:
+            incoming = (
+                int(request.num_tokens) - int(request.num_computed_tokens) + int(request.max_tokens)
+            )
+            state.largest_incoming = max(state.largest_incoming, incoming)
         reset = False
-        if needs_consolidation(history, state.budget, incoming, state.max_position):
+        if control or needs_consolidation(history, state.budget, incoming, state.max_position):
             if self.uses_mrope:
                 history = self._drop_remnants(request, state, history)
             history = consolidate(history)
             self._reprefill(request)
+            state.reprefill_end = int(request.num_tokens)
             reset = True
         state.history = history
         state.fold += 1
@@ -333,10 +402,40 @@ class SessionRetention:
             return
         state.preemptions += 1
         state.history = consolidate(state.history)
+        state.reprefill_end = int(request.num_tokens)
         request.block_hashes.clear()
         request.update_block_hashes()
         request.skip_reading_prefix_cache = True
         with_offset_reset(request.sampling_params)
+
+    def _drop_tail(self, request: Any, start: int) -> None:
+        """Remove the uncomputed tokens from `start` on (a control chunk's prompt)."""
+        del request._all_token_ids[start:]
+        assert request.prompt_token_ids is not None
+        del request.prompt_token_ids[start:]
+        request.num_prompt_tokens = len(request.prompt_token_ids)
+        del request.block_hashes[start // self.block_size :]
+
+    def idle_consolidation_due(self, request: Any) -> bool:
+        """At a chunk boundary: whether the next chunk (as large as the largest seen) would
+        consolidate on its own path, so the session should consolidate now, while idle. Never
+        on the boundary of a control chunk itself (at most one per answered chunk)."""
+        state = self.sessions.get(request.request_id)
+        if state is None or state.control_fold:
+            return False
+        computed = int(request.num_computed_tokens)
+        cursor = state.history.next_position() + max(0, computed - state.history.num_tokens)
+        return idle_consolidation_due(cursor, state.largest_incoming, state.max_position)
+
+    def step_cap(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Tokens to schedule this step: a re-prefill runs in pieces of repeating sizes."""
+        state = self.sessions.get(request.request_id)
+        if state is None or self.reprefill_piece == 0 or num_new_tokens <= 0:
+            return num_new_tokens
+        remaining = state.reprefill_end - num_computed_tokens
+        if remaining <= 0:
+            return num_new_tokens
+        return min(num_new_tokens, reprefill_piece(remaining, self.reprefill_piece))
 
     def _drop_remnants(
         self, request: Any, state: SessionRetentionState, history: SessionHistory
@@ -463,6 +562,7 @@ class SessionRetention:
             "tokens_held": h.num_tokens,
             "evictions": h.evictions_total,
             "consolidations": h.consolidations_total,
+            "idle_consolidations": state.idle_consolidations,
             "preemptions": state.preemptions,
         }
 

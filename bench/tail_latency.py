@@ -1,0 +1,291 @@
+"""Tail latency of bounded sessions across consolidations (issue #21), old and new behaviour.
+
+    .venv/bin/python -m bench.tail_latency                      # the full run (3,000 + 1,000)
+    .venv/bin/python -m bench.tail_latency --text-frames 600 --video-frames 300   # a short one
+
+For each model (SmolLM2-135M text turns, then the tiny Qwen2-VL with 112×112 image frames) and
+each mode, one engine and ONE bounded session on the server's own path (`EngineSession`,
+`render_chunk`), frames paced by a client clock (`--period-ms`: a frame every period, or at
+once when the previous one ended late; or `--gap-ms` of idle time after each reply), every frame answered (`--max-tokens`, EOS ignored):
+
+* `idle` (today's code): consolidation while the session is idle (a control chunk after the
+  boundary whose report asks for it), re-prefills in pieces of repeating sizes (128, then
+  powers of two);
+* `inline` (the behaviour before issue #21): every consolidation on the path of the frame
+  that needs it, the re-prefill in one step (`VLLM_REALTIME_REPREFILL_PIECE=0`).
+
+`--max-position` is set low enough for many consolidations. Reported per run: p50/p90/p99 of
+the per-frame latency (the chunk sent → its boundary, what `response.done` measures), p99/p50,
+every frame over 2× p50 with what happened on it (a consolidation on its path, a wait for an
+idle one still running), the worker's RSS slope per 1k frames (least squares after the first
+tenth), its distinct step sizes (diagnostics), frames and tokens retained against the window,
+and the load average before and after (the machine's other load is not ours). Prints one JSON
+document and writes it with `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+TEXT_MODEL = "smollm2-135m-instruct"
+VIDEO_MODEL = "tiny-qwen2-vl"
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return 0.0 if den == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
+
+
+def quantiles(values: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": round(q[49], 2), "p90": round(q[89], 2), "p99": round(q[98], 2)}
+
+
+def loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[str, Any]:
+    from bench.frames import image_frame, text_frame
+    from protocol import SamplingConfig, SessionConfig
+    from realtime.engine import EngineSettings, start_engine
+    from realtime.engine_session import ChunkFinished, EngineSession, chat_format_of, render_chunk
+    from retention.vllm_adapter.diagnostics import DIAGNOSTICS_ENV, heap_stats
+    from retention.vllm_adapter.eviction import REPREFILL_PIECE_ENV
+    from retention.vllm_adapter.introspect import worker_stats
+
+    video = model == VIDEO_MODEL
+    frames = args.video_frames if video else args.text_frames
+    max_position = args.video_max_position if video else args.text_max_position
+    # Read by the engine processes at start-up (they inherit this environment).
+    os.environ[REPREFILL_PIECE_ENV] = str(args.piece if mode == "idle" else 0)
+    os.environ[DIAGNOSTICS_ENV] = "1"
+    extra: dict[str, Any] = {"limit_mm_per_prompt": {"image": 1, "video": 0}} if video else {}
+    settings = EngineSettings(
+        model=model,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=args.kv_mib << 20,
+        block_size=args.block_size,
+        max_num_seqs=4,
+        dtype="float32",
+        extra=extra,
+    )
+    budget = {"sink_chunks": 1, "window_chunks": args.window, "max_position": max_position}
+    load_before = loadavg()
+    engine = start_engine(settings)
+    records: list[dict[str, Any]] = []
+    idle_total = 0
+    rss: list[tuple[int, int]] = []
+    steps: dict[str, Any] = {}
+    started = time.perf_counter()
+    try:
+        es = EngineSession(
+            engine,
+            f"tail-{mode}-{uuid.uuid4().hex[:8]}",
+            SamplingConfig(max_tokens=args.max_tokens, temperature=0.0),
+            budget,
+            ignore_eos=True,
+            idle_consolidation=mode == "idle",
+        )
+        config = SessionConfig(
+            modality="video" if video else "text",
+            instructions="You watch a camera. Answer in one short sentence.",
+        )
+        chat = chat_format_of(engine)
+        period = args.period_ms / 1e3
+        next_send = time.perf_counter()
+        first_tokens = 0
+        for i in range(frames):
+            frame = image_frame(i, size=112) if video else text_frame(i)
+            prompt = await asyncio.to_thread(
+                render_chunk,
+                frame,
+                config,
+                first=es.chunks == 0,
+                multimodal=video,
+                after_reply=es.turn_open,
+                chat=chat,
+            )
+            params = es.chunk_params(reply=True)
+            now = time.perf_counter()
+            if now < next_send:
+                await asyncio.sleep(next_send - now)
+            next_send = max(now, next_send) + period
+            before = es.last_report
+            cons_before = before.retention.consolidations if before and before.retention else 0
+            idle_before = es.idle_consolidations
+            waited = es.consolidating
+            t0 = time.perf_counter()
+            finished: ChunkFinished | None = None
+            async for item in es.run_chunk(prompt, params):
+                if isinstance(item, ChunkFinished):
+                    finished = item
+            latency = (time.perf_counter() - t0) * 1e3
+            if args.gap_ms is not None:
+                # Idle time after each reply instead of a fixed frame clock.
+                next_send = time.perf_counter() + args.gap_ms / 1e3
+            assert finished is not None and finished.report is not None
+            report = finished.report
+            counters = report.retention
+            assert counters is not None, report
+            idle_during = es.idle_consolidations - idle_before
+            inline = counters.consolidations - cons_before - idle_during
+            if i == 0:
+                first_tokens = report.tokens_in_context
+            records.append(
+                {
+                    "i": i,
+                    "latency_ms": round(latency, 2),
+                    "prompt_tokens": finished.prompt_tokens,
+                    "inline_consolidation": inline > 0,
+                    "waited_for_idle_consolidation": waited,
+                    "chunks_retained": counters.chunks_retained,
+                    "tokens_in_context": report.tokens_in_context,
+                    "kv_blocks": report.kv_blocks_held,
+                    "consolidations": counters.consolidations,
+                }
+            )
+            if i == frames // 10:
+                await heap_stats(engine, "steps_start")
+            if i % args.rss_every == 0 or i == frames - 1:
+                workers = await worker_stats(engine)
+                rss.append((i, int(workers[0]["rss_bytes"])))
+        stats = await heap_stats(engine, "read")
+        steps = {
+            "distinct_since_first_tenth": stats["workers"][0].get("distinct_step_sizes"),
+        }
+        idle_total = es.idle_consolidations
+        await es.abort()
+    finally:
+        engine.shutdown()
+    seconds = time.perf_counter() - started
+    latencies = [r["latency_ms"] for r in records]
+    q = quantiles(latencies)
+    over = [r for r in records if r["latency_ms"] > 2 * q["p50"]]
+    warm = [(i, b) for i, b in rss if i >= frames // 10]
+    per_frame = [r["prompt_tokens"] + args.max_tokens - 1 for r in records[1:]]
+    frame_tokens = statistics.median(per_frame) if per_frame else 1
+    held_frames = [
+        (r["tokens_in_context"] - first_tokens) / frame_tokens for r in records[args.window + 2 :]
+    ]
+    return {
+        "model": model,
+        "mode": mode,
+        "frames": len(records),
+        "seconds": round(seconds, 1),
+        "budget": budget,
+        "block_size": args.block_size,
+        "reprefill_piece": args.piece if mode == "idle" else 0,
+        "period_ms": args.period_ms,
+        "gap_ms": args.gap_ms,
+        "max_tokens": args.max_tokens,
+        "loadavg_before": load_before,
+        "loadavg_after": loadavg(),
+        "latency_ms": q,
+        "p99_over_p50": round(q["p99"] / q["p50"], 3),
+        "mean_ms": round(statistics.fmean(latencies), 2),
+        "max_ms": round(max(latencies), 2),
+        "consolidations": records[-1]["consolidations"],
+        "idle_consolidations": idle_total,
+        "inline_consolidations": sum(1 for r in records if r["inline_consolidation"]),
+        "frames_that_waited_for_an_idle_consolidation": sum(
+            1 for r in records if r["waited_for_idle_consolidation"]
+        ),
+        "over_2x_p50": {
+            "count": len(over),
+            "with_inline_consolidation": sum(1 for r in over if r["inline_consolidation"]),
+            "waited_for_idle_consolidation": sum(
+                1 for r in over if r["waited_for_idle_consolidation"]
+            ),
+            "frames": [
+                [r["i"], r["latency_ms"], r["inline_consolidation"]] for r in over[: args.list_slow]
+            ],
+        },
+        "latency_on_inline_consolidation_ms": quantiles(
+            [r["latency_ms"] for r in records if r["inline_consolidation"]] or [0.0, 0.0]
+        ),
+        "worker_rss": {
+            "first_mb": round(rss[0][1] / 2**20, 1) if rss else None,
+            "last_mb": round(rss[-1][1] / 2**20, 1) if rss else None,
+            "slope_mb_per_1k_frames": round(
+                slope([float(i) for i, _ in warm], [b / 2**20 for _, b in warm]) * 1000, 3
+            ),
+        },
+        "worker_step_sizes": steps,
+        "retained": {
+            "window_chunks": args.window,
+            "sink_chunks": 1,
+            # The report's chunks_retained counts the sink chunk and the chunk just answered.
+            "chunks_retained_max": max(r["chunks_retained"] for r in records),
+            "frames_retained_max": max(r["chunks_retained"] for r in records) - 1,
+            "frame_tokens": frame_tokens,
+            "frames_held_max_by_tokens": round(max(held_frames), 2) if held_frames else None,
+            "tokens_in_context_max": max(r["tokens_in_context"] for r in records),
+            "kv_blocks_max": max(r["kv_blocks"] for r in records),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--text-frames", type=int, default=3000)
+    parser.add_argument("--video-frames", type=int, default=1000)
+    parser.add_argument("--models", default="text,video", help="text, video or both")
+    parser.add_argument("--modes", default="idle,inline", help="idle, inline or both")
+    parser.add_argument("--text-max-position", type=int, default=1024)
+    parser.add_argument("--video-max-position", type=int, default=640)
+    parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--period-ms", type=float, default=300.0)
+    parser.add_argument(
+        "--gap-ms", type=float, default=None, help="idle time after each reply (overrides period)"
+    )
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--piece", type=int, default=128, help="re-prefill piece, idle mode")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-mib", type=int, default=48)
+    parser.add_argument("--rss-every", type=int, default=25)
+    parser.add_argument("--list-slow", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    names = {"text": TEXT_MODEL, "video": VIDEO_MODEL}
+    runs = []
+    for key in args.models.split(","):
+        for mode in args.modes.split(","):
+            runs.append(asyncio.run(run_session(args, names[key.strip()], mode.strip())))
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "over_2x_p50"}))
+    doc = {
+        "bench": "tail_latency",
+        "command": "python -m bench.tail_latency " + " ".join(argv or sys.argv[1:]),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "runs": runs,
+    }
+    text = json.dumps(doc, indent=1)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""Pure logic of idle consolidation and of re-prefill step sizes (retention/policy.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from retention.policy import (
+    RetentionBudget,
+    SessionHistory,
+    append_segment,
+    idle_consolidation_due,
+    needs_consolidation,
+    reprefill_piece,
+    reprefill_pieces,
+)
+
+POWERS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+def test_reprefill_pieces_examples() -> None:
+    assert reprefill_pieces(300, 128) == [128, 128, 32, 8, 4]
+    assert reprefill_pieces(128, 128) == [128]
+    assert reprefill_pieces(7, 128) == [4, 2, 1]
+    assert reprefill_pieces(300, 0) == [300]
+    assert reprefill_pieces(0, 64) == []
+
+
+@pytest.mark.parametrize("remaining, piece", [(0, 64), (-3, 64), (10, 48), (10, -1)])
+def test_reprefill_piece_refuses_bad_arguments(remaining: int, piece: int) -> None:
+    with pytest.raises(ValueError):
+        reprefill_piece(remaining, piece)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.sampled_from(POWERS))
+def test_reprefill_pieces_cover_the_total_in_few_repeating_sizes(total: int, piece: int) -> None:
+    steps = reprefill_pieces(total, piece)
+    assert sum(steps) == total
+    assert all(s >= 1 for s in steps)
+    if piece == 0:
+        assert steps == [total]
+        return
+    allowed = {piece} | {1 << k for k in range(piece.bit_length() - 1)}
+    assert set(steps) <= allowed
+    # Whole pieces first, then strictly falling powers of two.
+    whole = total // piece
+    assert steps[:whole] == [piece] * whole
+    rest = steps[whole:]
+    assert rest == sorted(rest, reverse=True) and len(set(rest)) == len(rest)
+    assert len(steps) == whole + bin(total % piece).count("1")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5000), st.sampled_from(POWERS[1:]), st.integers(1, 5000))
+def test_every_step_is_the_piece_of_what_is_left(total: int, piece: int, cap: int) -> None:
+    """A step that vLLM cuts shorter (token budget, encoder budget) is followed by steps that
+    still come from the same small set of sizes."""
+    left = total
+    sizes: set[int] = set()
+    while left:
+        step = min(reprefill_piece(left, piece), cap)
+        sizes.add(step)
+        left -= step
+    if cap >= piece:
+        assert sizes <= {piece} | {1 << k for k in range(piece.bit_length() - 1)}
+
+
+def test_idle_consolidation_due_examples() -> None:
+    assert not idle_consolidation_due(100, 40, None)
+    assert not idle_consolidation_due(100, 0, 120)  # nothing seen yet
+    assert not idle_consolidation_due(80, 40, 120)  # reaches 120 exactly: still fits
+    assert idle_consolidation_due(81, 40, 120)
+    with pytest.raises(ValueError):
+        idle_consolidation_due(-1, 4, 10)
+    with pytest.raises(ValueError):
+        idle_consolidation_due(1, True, 10)  # type: ignore[arg-type]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(1, 80), min_size=1, max_size=30),
+    st.integers(1, 80),
+    st.integers(1, 4000),
+)
+def test_idle_consolidation_due_iff_the_next_fold_would_consolidate(
+    chunks: list[int], incoming: int, limit: int
+) -> None:
+    """At a chunk boundary the answered chunk is not a segment yet; the next fold records it
+    and asks needs_consolidation for the next chunk: the idle check must give the same answer
+    from the cursor alone (eviction never moves the cursor)."""
+    budget = RetentionBudget(sink_chunks=1, window_chunks=4)
+    history = SessionHistory.for_budget(budget)
+    for n in chunks[:-1]:
+        history = append_segment(history, "text", n)
+    cursor_at_boundary = history.next_position() + chunks[-1]
+    at_next_fold = append_segment(history, "text", chunks[-1])
+    assert idle_consolidation_due(cursor_at_boundary, incoming, limit) == needs_consolidation(
+        at_next_fold, budget, incoming, limit
+    )
