@@ -48,6 +48,24 @@ def named(kind: str, spec: FrameSpec, reply: str) -> bool:
     return COUNT_WORDS[spec.count] in text.split() or str(spec.count) in text
 
 
+def named_only(kind: str, spec: FrameSpec, reply: str) -> bool:
+    """Strict: the reply names the fact and no other value of it ("a square is a circle" names
+    two shapes; `named` counts it, this does not)."""
+    from realtime.models.synth_frames import COLOURS, SHAPES
+
+    if not named(kind, spec, reply):
+        return False
+    words = reply.lower().replace(".", " ").replace(",", " ").split()
+    if kind == "colour":
+        return not any(c in words for c in COLOURS if c != spec.colour)
+    if kind == "shape":
+        return not any(w.rstrip("s") in SHAPES and w.rstrip("s") != spec.shape for w in words)
+    others = [w for n, w in COUNT_WORDS.items() if n != spec.count] + [
+        str(n) for n in range(10) if n != spec.count
+    ]
+    return not any(w in words for w in others)
+
+
 def prompt_for(
     image: Any, question: str, instructions: str | None = INSTRUCTIONS
 ) -> dict[str, Any]:
@@ -112,6 +130,7 @@ async def run(
     for kind in QUESTIONS:
         rows = [(s, r) for s, k, r in results if k == kind]
         acc[kind] = sum(named(kind, s, r) for s, r in rows) / len(rows)
+        acc[kind + "_only"] = sum(named_only(kind, s, r) for s, r in rows) / len(rows)
         by_bg = {}
         for group, pick in (
             ("neutral_background", lambda s: s.background in ("white", "black")),
@@ -128,6 +147,7 @@ async def run(
     examples = [
         {"spec": s.__dict__, "question": QUESTIONS[k], "reply": r} for s, k, r in results[:24]
     ]
+    replies = [[s.colour, s.shape, s.count, s.background, k, r] for s, k, r in results]
     return {
         "model": MODEL,
         "frames": n,
@@ -138,6 +158,7 @@ async def run(
         "requests": len(results),
         "seconds": elapsed,
         "examples": examples,
+        "replies": replies,
     }
 
 
@@ -168,7 +189,9 @@ def main() -> None:
         report = asyncio.run(run(engine, args.frames, instructions=args.instructions))
     finally:
         engine.shutdown()
-    print(json.dumps({k: v for k, v in report.items() if k != "examples"}, indent=2))
+    print(
+        json.dumps({k: v for k, v in report.items() if k not in ("examples", "replies")}, indent=2)
+    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -170,3 +170,28 @@ def test_code_tuning_model_equals_transformers(tmp_path) -> None:  # type: ignor
         x[ids == vc.IMAGE_PAD] = vecs
         mine = lm.hidden(x, vc.batch_positions([seq], [(6, 8)], "cpu"))
     assert (ref - mine).abs().max() < 1e-3
+
+
+def test_objcol_targets_are_single_words_by_place() -> None:
+    # The "objcol" stage-1 layout (docs/vlm.md, third round): object patches carry the colour
+    # word, all others the shape word (plural for several shapes); never a sum.
+    import torch
+
+    from realtime.models.vision_train import Targets
+
+    vocab = {" red": 0, " circle": 1, " circles": 2, " white": 3}
+
+    class Tok:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [vocab[text]]
+
+    emb = torch.eye(4)
+    cov = torch.tensor([0.0, 0.5, 0.2, 1.0])
+    two = Targets(emb, Tok(), layout="objcol").for_frame(
+        FrameSpec("red", "circle", 2, "white"), cov
+    )
+    assert two.argmax(-1).tolist() == [2, 0, 2, 0] and bool((two.sum(-1) == 1).all())
+    one = Targets(emb, Tok(), layout="objcol").for_frame(
+        FrameSpec("red", "circle", 1, "white"), cov
+    )
+    assert one.argmax(-1).tolist() == [1, 0, 1, 0]

@@ -38,6 +38,9 @@ from realtime.models.synth_frames import (
 
 CELL = PATCH_SIZE * MERGE_SIZE
 OBJECT_COVERAGE = 0.3  # a merged patch at least this much covered by shapes is an object patch
+# Target layouts: "sum" (every patch " <colour>" + " <shape>"; background words on a coloured
+# background) or "objcol" (object patches " <colour>", the others " <shape(s)>").
+LAYOUTS = ("sum", "objcol")
 
 
 def word_embeddings(smollm2_dir: Path) -> tuple[Any, Any]:
@@ -53,8 +56,11 @@ def word_embeddings(smollm2_dir: Path) -> tuple[Any, Any]:
 class Targets:
     """Per-merged-patch target embeddings for a frame (see the module docstring)."""
 
-    def __init__(self, emb: Any, tok: Any, codes: dict[str, Any] | None = None) -> None:
-        self.emb, self.tok, self.codes = emb, tok, codes
+    def __init__(
+        self, emb: Any, tok: Any, codes: dict[str, Any] | None = None, layout: str = "sum"
+    ) -> None:
+        assert layout in LAYOUTS, layout
+        self.emb, self.tok, self.codes, self.layout = emb, tok, codes, layout
 
     def word(self, w: str) -> Any:
         ids = self.tok.encode(" " + w, add_special_tokens=False)
@@ -69,6 +75,12 @@ class Targets:
 
             return frame_vectors(self.codes, [spec]).expand(len(coverage), -1).clone()
 
+        if self.layout == "objcol":
+            # Object patches read as the colour word, every other patch as the shape word
+            # (plural when there are several): single words, not sums (docs/vlm.md, third round).
+            colour = self.word(spec.colour)
+            shape = self.word(spec.shape + ("s" if spec.count > 1 else ""))
+            return torch.stack([colour if c >= OBJECT_COVERAGE else shape for c in coverage])
         fact = self.word(spec.colour) + self.word(spec.shape)
         if spec.background in NEUTRAL_BACKGROUNDS:
             return fact.expand(len(coverage), -1).clone()
@@ -306,6 +318,8 @@ def train(
     n_train: int,
     seed: int = 0,
     init: Path | None = None,
+    layout: str = "sum",
+    workers: int = 0,
 ) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file, save_file
@@ -315,7 +329,7 @@ def train(
     torch.manual_seed(seed)
     emb, tok = word_embeddings(smollm2_dir)
     t0 = time.perf_counter()
-    data = make_dataset(n_train, seed, Targets(emb, tok))
+    data = make_dataset(n_train, seed, Targets(emb, tok, layout=layout), workers)
     info: dict[str, Any] = {"data_s": time.perf_counter() - t0}
     weights = None
     if init is not None:
@@ -334,9 +348,18 @@ def train(
             model, data, smollm2_dir, steps=lm_steps, batch=lm_batch_size, seed=seed + 2
         )
     info["stage2_s"] = time.perf_counter() - t2
+    if layout == "objcol":
+        held = make_dataset(200, 7_777, Targets(emb, tok, layout=layout))
+        info["held_out"] = nearest_word_accuracy(model, held, Targets(emb, tok))
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"format": "pt", "steps": str(steps), "lm_steps": str(lm_steps), "seed": str(seed)}
+    meta = {
+        "format": "pt",
+        "steps": str(steps),
+        "lm_steps": str(lm_steps),
+        "seed": str(seed),
+        "layout": layout,
+    }
     save_file(state, str(out), metadata=meta)
     info["params"] = sum(p.numel() for p in model.parameters())
     return info
@@ -410,6 +433,34 @@ def nearest_code_accuracy(
     return {a: h / len(data) for a, h in hits.items()}
 
 
+def nearest_word_accuracy(model: Any, data: list[Any], targets: Targets) -> dict[str, float]:
+    """Tower alone, "objcol" layout: each merged patch decoded to its nearest colour or shape
+    word; a frame's colour (shape, count) is the one most of its patches name (a plural shape word
+    means more than one)."""
+    from collections import Counter
+
+    import torch
+
+    from realtime.models.synth_frames import COLOURS, SHAPES
+
+    words = [*COLOURS, *SHAPES, *(s + "s" for s in SHAPES)]
+    table = torch.stack([targets.word(w) for w in words])
+    hits = {"colour": 0, "shape": 0, "several": 0}
+    model.eval()
+    with torch.no_grad():
+        for pv, grid, _tgt, spec in data:
+            out = model(pv.to(torch.float32), grid_thw=grid[None]).pooler_output
+            named = [words[int(i)] for i in torch.cdist(out, table).argmin(-1)]
+            colours = Counter(w for w in named if w in COLOURS)
+            shapes = Counter(w for w in named if w not in COLOURS)
+            top = shapes.most_common(1)[0][0] if shapes else ""
+            hits["colour"] += bool(colours) and colours.most_common(1)[0][0] == spec.colour
+            hits["shape"] += top.rstrip("s") == spec.shape
+            hits["several"] += top.endswith("s") == (spec.count > 1)
+    model.train()
+    return {a: h / len(data) for a, h in hits.items()}
+
+
 def main() -> None:
     from realtime.models import build_model
 
@@ -428,6 +479,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--layout", choices=LAYOUTS, default="sum", help="stage 1 target layout")
     args = ap.parse_args()
     if args.codes is not None:
         info = train_codes(
@@ -454,6 +506,8 @@ def main() -> None:
         n_train=args.frames,
         seed=args.seed,
         init=args.init,
+        layout=args.layout,
+        workers=args.workers,
     )
     print(json.dumps(info))
 

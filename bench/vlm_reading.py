@@ -1,0 +1,212 @@
+"""Can SmolLM2 read a frame laid out as words? Exact targets in place of the tower, no training.
+
+Each layout fills the image tokens of a first-frame chat (rendered as the server renders it, with
+`bench/vlm_accuracy.py`'s instructions and questions) with exact SmolLM2 word embeddings, in
+transformers (float32, greedy): the vision tower is replaced by a stub that returns them, so the
+model's own mRoPE positions apply. A layout is what a perfect stage-1 tower would emit. Cases:
+6 colours × 3 shapes × counts 1–3, on white; three questions each.
+
+Layouts (16 merged tokens, row-major; `@1x16` = the same tokens on a 1×16 grid, `@text` = the
+same words given as text tokens, i.e. 1D positions, the upper bound):
+  sum      every token = " red" + " circle"          (the shipped targets)
+  sum3     every token = " two" + " red" + " circles"
+  rows     tokens 0–7 = " red", 8–15 = " circles"
+  alt      " red", " circles", " red", " circles", …
+  phrase   the tokens of " two red circles" repeated over the 16 tokens
+  content  a 112×112 frame's object patches = " red" + " circles", background patches = " white"
+  objcol   object patches = " red", background patches = " circles"
+
+    python -m bench.vlm_reading --layouts sum,rows,alt --out docs/bench/vlm_reading.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.vlm_accuracy import INSTRUCTIONS, QUESTIONS, named
+from realtime.models.synth_frames import COLOURS, COUNT_WORDS, SHAPES, FrameSpec, draw_frame
+
+N_TOKENS = 16
+
+
+def plural(shape: str, count: int) -> str:
+    return shape + ("s" if count > 1 else "")
+
+
+class Words:
+    def __init__(self, emb: Any, tok: Any) -> None:
+        self.emb, self.tok = emb, tok
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def one(self, word: str) -> Any:
+        """Embedding of " word" (the sum over its tokens if it has several)."""
+        return self.emb[self.ids(" " + word)].sum(0)
+
+
+def cycle(vectors: list[Any], n: int = N_TOKENS) -> Any:
+    import torch
+
+    return torch.stack([vectors[i % len(vectors)] for i in range(n)])
+
+
+def layout(name: str, spec: FrameSpec, w: Words) -> tuple[Any, list[int] | None]:
+    """(N_TOKENS × 576 image-token embeddings, or the phrase's token ids for `@text`)."""
+    import torch
+
+    from realtime.models.vision_train import coverage
+
+    c, s, n = spec.colour, plural(spec.shape, spec.count), COUNT_WORDS[spec.count]
+    if name == "sum":
+        return cycle([w.one(c) + w.one(spec.shape)]), None
+    if name == "sum3":
+        return cycle([w.one(n) + w.one(c) + w.one(s)]), None
+    if name == "rows":
+        return torch.stack([w.one(c)] * 8 + [w.one(s)] * 8), None
+    if name == "alt":
+        return cycle([w.one(c), w.one(s)]), None
+    if name == "phrase":
+        ids = w.ids(f" {n} {c} {s}")
+        return cycle([w.emb[i] for i in ids]), ids
+    if name in ("content", "objcol"):
+        _img, mask = draw_frame(spec, random.Random(f"{c} {s} {n}"), size=(112, 112))
+        cov = coverage(mask, 8, 8)
+        obj = w.one(c) + w.one(s) if name == "content" else w.one(c)
+        bg = w.one(spec.background) if name == "content" else w.one(s)
+        return torch.stack([obj if x >= 0.3 else bg for x in cov.tolist()]), None
+    raise ValueError(name)
+
+
+def stub_tower() -> Any:
+    """Stands in for the vision tower: returns the embeddings put in its `out`."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    class StubTower(torch.nn.Module):
+        spatial_merge_size = 2
+        dtype = torch.float32
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.out: Any = None
+
+        def forward(self, pixel_values: Any, grid_thw: Any = None, **_: Any) -> Any:
+            return BaseModelOutputWithPooling(last_hidden_state=None, pooler_output=self.out)
+
+    return StubTower()
+
+
+def run(
+    layouts: list[str], model_path: Path, max_new_tokens: int, counts: list[int], kinds: list[str]
+) -> Any:
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    torch.set_num_threads(2)
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_path), dtype=torch.float32)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    emb = model.get_input_embeddings().weight.detach()
+    w = Words(emb, tok)
+    stub = stub_tower()
+    model.model.visual = stub  # type: ignore[assignment]
+    specs = [FrameSpec(c, s, n, "white") for n in counts for c in COLOURS for s in SHAPES]
+    results: dict[str, Any] = {}
+    for full in layouts:
+        name, _, where = full.partition("@")
+        t0 = time.perf_counter()
+        rows: list[dict[str, Any]] = []
+        for kind in kinds:
+            question = QUESTIONS[kind]
+            vecs, texts = [], []
+            for spec in specs:
+                v, ids = layout(name, spec, w)
+                if where == "text":
+                    assert ids is not None, "@text needs a phrase layout"
+                    words = tok.decode([ids[i % len(ids)] for i in range(N_TOKENS)])
+                    image = words
+                else:
+                    image = "<|image_pad|>" * N_TOKENS
+                    vecs.append(v)
+                texts.append(
+                    f"<|im_start|>system\n{INSTRUCTIONS}<|im_end|>\n<|im_start|>user\n"
+                    f"<|vision_start|>{image}<|vision_end|>{question}<|im_end|>\n"
+                    "<|im_start|>assistant\n"
+                )
+            enc = tok(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+            assert enc["attention_mask"].all(), "prompts of one question have one length"
+            kw: dict[str, Any] = {}
+            if vecs:
+                grid = (1, 2, 2 * N_TOKENS) if where == "1x16" else (1, 8, 8)
+                kw["image_grid_thw"] = torch.tensor([grid] * len(specs))
+                kw["pixel_values"] = torch.zeros(len(specs) * N_TOKENS * 4, 1176)
+                stub.out = torch.cat(vecs)
+            with torch.no_grad():
+                out = model.generate(
+                    **enc, **kw, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
+                )
+            replies = tok.batch_decode(
+                out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+            for spec, reply in zip(specs, replies, strict=True):
+                rows.append(
+                    {
+                        "spec": spec.__dict__,
+                        "kind": kind,
+                        "reply": reply.strip(),
+                        "ok": named(kind, spec, reply),
+                    }
+                )
+        score = {kind: sum(r["ok"] for r in rows if r["kind"] == kind) for kind in kinds}
+        results[full] = {
+            "n": len(specs),
+            "named": score,
+            "seconds": time.perf_counter() - t0,
+            "rows": rows,
+        }
+        print(full, len(specs), score, f"{time.perf_counter() - t0:.0f}s", flush=True)
+        for r in rows[:: max(1, len(rows) // 6)]:
+            print(
+                "   ",
+                r["kind"],
+                r["spec"]["colour"],
+                r["spec"]["shape"],
+                r["spec"]["count"],
+                "->",
+                repr(r["reply"]),
+            )
+    return results
+
+
+def main() -> None:
+    from realtime.models import model_dir
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layouts", default="sum,rows,alt,phrase")
+    ap.add_argument("--counts", default="1,2,3")
+    ap.add_argument("--kinds", default="colour,shape,count")
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    path = args.model or model_dir("smol-qwen2-vl")
+    res = run(
+        args.layouts.split(","),
+        path,
+        args.max_new_tokens,
+        [int(x) for x in args.counts.split(",")],
+        args.kinds.split(","),
+    )
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
