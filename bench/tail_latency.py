@@ -37,16 +37,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.soak import slope
+
 TEXT_MODEL = "smollm2-135m-instruct"
 VIDEO_MODEL = "tiny-qwen2-vl"
-
-
-def slope(xs: list[float], ys: list[float]) -> float:
-    if len(xs) < 2:
-        return 0.0
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    den = sum((x - mx) ** 2 for x in xs)
-    return 0.0 if den == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
 
 
 def quantiles(values: list[float]) -> dict[str, float]:

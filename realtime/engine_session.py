@@ -339,16 +339,7 @@ class EngineSession:
         first_token: float | None = None
         completion = 0
         while True:
-            try:
-                out = await self._outputs.__anext__()
-            except StopAsyncIteration:
-                self.finished = True
-                raise EngineError("the engine ended this session") from None
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.finished = True
-                raise _engine_failure(exc) from None
+            out = await self._next_output()
             completion_out = out.outputs[0] if out.outputs else None
             if completion_out is not None and completion_out.token_ids:
                 if first_token is None:
@@ -359,10 +350,7 @@ class EngineSession:
             report = SessionReport.from_wire(out.kv_transfer_params)
             if out.finished:
                 # Terminal: engine-initiated abort/error or end of input, never a boundary.
-                self.finished = True
-                self.end_report = report
-                finish = getattr(completion_out, "finish_reason", None)
-                raise _engine_failure(report=report, finish_reason=finish)
+                raise self._ended(report, completion_out)
             if completion_out is not None and completion_out.finish_reason is not None:
                 if self.bounded:
                     # The front end keeps only this chunk's prompt for a bounded session
@@ -424,28 +412,37 @@ class EngineSession:
         self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
         assert self._outputs is not None
         while True:
-            try:
-                out = await self._outputs.__anext__()
-            except StopAsyncIteration:
-                self.finished = True
-                raise EngineError("the engine ended this session") from None
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.finished = True
-                raise _engine_failure(exc) from None
+            out = await self._next_output()
             report = SessionReport.from_wire(out.kv_transfer_params)
             completion_out = out.outputs[0] if out.outputs else None
             if out.finished:
-                self.finished = True
-                self.end_report = report
-                finish = getattr(completion_out, "finish_reason", None)
-                raise _engine_failure(report=report, finish_reason=finish)
+                raise self._ended(report, completion_out)
             if completion_out is not None and completion_out.finish_reason is not None:
                 if report is not None:
                     self.boundary_report = report
                 self.idle_consolidations += 1
                 return
+
+    async def _next_output(self) -> Any:
+        """The session's next output; the protocol error if the stream ended or failed."""
+        assert self._outputs is not None
+        try:
+            return await self._outputs.__anext__()
+        except StopAsyncIteration:
+            self.finished = True
+            raise EngineError("the engine ended this session") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.finished = True
+            raise _engine_failure(exc) from None
+
+    def _ended(self, report: SessionReport | None, completion_out: Any) -> RealtimeError:
+        """The session's terminal output (finished=True) arrived: record it, map its error."""
+        self.finished = True
+        self.end_report = report
+        finish = getattr(completion_out, "finish_reason", None)
+        return _engine_failure(report=report, finish_reason=finish)
 
     @property
     def consolidating(self) -> bool:
