@@ -87,6 +87,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     idle_total = 0
     rss: list[tuple[int, int]] = []
     steps: dict[str, Any] = {}
+    heap: dict[str, Any] = {}
+    heap_at_tenth: dict[str, Any] = {}
     started = time.perf_counter()
     try:
         es = EngineSession(
@@ -156,13 +158,19 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
                 }
             )
             if i == frames // 10:
-                await heap_stats(engine, "steps_start")
+                heap_at_tenth = (await heap_stats(engine, "steps_start"))["workers"][0]
             if i % args.rss_every == 0 or i == frames - 1:
                 workers = await worker_stats(engine)
                 rss.append((i, int(workers[0]["rss_bytes"])))
         stats = await heap_stats(engine, "read")
         steps = {
             "distinct_since_first_tenth": stats["workers"][0].get("distinct_step_sizes"),
+        }
+        # malloc's bytes in use and live Python objects, first tenth vs end: tells a leak (in use
+        # grows) from allocator retention (RSS grows, in use flat).
+        heap = {
+            "at_first_tenth": _heap_summary(heap_at_tenth),
+            "at_end": _heap_summary(stats["workers"][0]),
         }
         idle_total = es.idle_consolidations
         await es.abort()
@@ -222,6 +230,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             ),
         },
         "worker_step_sizes": steps,
+        "worker_heap": heap,
         "retained": {
             "window_chunks": args.window,
             "sink_chunks": 1,
@@ -233,6 +242,16 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             "tokens_in_context_max": max(r["tokens_in_context"] for r in records),
             "kv_blocks_max": max(r["kv_blocks"] for r in records),
         },
+    }
+
+
+def _heap_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    malloc = stats.get("malloc") or {}
+    return {
+        "rss_mb": round(stats["rss_bytes"] / 2**20, 1),
+        "malloc_in_use_mb": round(malloc["in_use"] / 2**20, 1) if malloc else None,
+        "malloc_free_in_arenas_mb": round(malloc["free_in_arenas"] / 2**20, 1) if malloc else None,
+        "python_objects": stats.get("python_objects"),
     }
 
 
