@@ -15,6 +15,13 @@ same words given as text tokens, i.e. 1D positions, the upper bound):
   phrase   the tokens of " two red circles" repeated over the 16 tokens
   content  a 112×112 frame's object patches = " red" + " circles", background patches = " white"
   objcol   object patches = " red", background patches = " circles"
+  sumbg    object patches = " red" + " circles", background patches = the background's word
+           (the "sum" and "mixed" stage-1 targets on a coloured background)
+  objbgsum object patches = " red", background patches = the background's word + " circles"
+
+`--background green` draws the cases on a coloured background; the kind `describe` ("Describe
+the image.") counts a reply that names the background's colour (what Chromium's green fake
+camera needs).
 
     python -m bench.vlm_reading --layouts sum,rows,alt --out docs/bench/vlm_reading.json
 """
@@ -74,11 +81,15 @@ def layout(name: str, spec: FrameSpec, w: Words) -> tuple[Any, list[int] | None]
     if name == "phrase":
         ids = w.ids(f" {n} {c} {s}")
         return cycle([w.emb[i] for i in ids]), ids
-    if name in ("content", "objcol"):
+    if name in ("content", "objcol", "sumbg", "objbgsum"):
         _img, mask = draw_frame(spec, random.Random(f"{c} {s} {n}"), size=(112, 112))
         cov = coverage(mask, 8, 8)
-        obj = w.one(c) + w.one(s) if name == "content" else w.one(c)
-        bg = w.one(spec.background) if name == "content" else w.one(s)
+        obj, bg = {
+            "content": (w.one(c) + w.one(s), w.one(spec.background)),
+            "objcol": (w.one(c), w.one(s)),
+            "sumbg": (w.one(c) + w.one(spec.shape), w.one(spec.background)),
+            "objbgsum": (w.one(c), w.one(spec.background) + w.one(s)),
+        }[name]
         return torch.stack([obj if x >= 0.3 else bg for x in cov.tolist()]), None
     raise ValueError(name)
 
@@ -102,8 +113,19 @@ def stub_tower() -> Any:
     return StubTower()
 
 
+def scored(kind: str, spec: FrameSpec, reply: str) -> bool:
+    if kind == "describe":
+        return spec.background in reply.lower()
+    return named(kind, spec, reply)
+
+
 def run(
-    layouts: list[str], model_path: Path, max_new_tokens: int, counts: list[int], kinds: list[str]
+    layouts: list[str],
+    model_path: Path,
+    max_new_tokens: int,
+    counts: list[int],
+    kinds: list[str],
+    background: str = "white",
 ) -> Any:
     import torch
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
@@ -116,14 +138,20 @@ def run(
     w = Words(emb, tok)
     stub = stub_tower()
     model.model.visual = stub  # type: ignore[assignment]
-    specs = [FrameSpec(c, s, n, "white") for n in counts for c in COLOURS for s in SHAPES]
+    specs = [
+        FrameSpec(c, s, n, background)
+        for n in counts
+        for c in COLOURS
+        if c != background
+        for s in SHAPES
+    ]
     results: dict[str, Any] = {}
     for full in layouts:
         name, _, where = full.partition("@")
         t0 = time.perf_counter()
         rows: list[dict[str, Any]] = []
         for kind in kinds:
-            question = QUESTIONS[kind]
+            question = QUESTIONS.get(kind, "Describe the image.")
             vecs, texts = [], []
             for spec in specs:
                 v, ids = layout(name, spec, w)
@@ -160,7 +188,7 @@ def run(
                         "spec": spec.__dict__,
                         "kind": kind,
                         "reply": reply.strip(),
-                        "ok": named(kind, spec, reply),
+                        "ok": scored(kind, spec, reply),
                     }
                 )
         score = {kind: sum(r["ok"] for r in rows if r["kind"] == kind) for kind in kinds}
@@ -194,6 +222,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=12)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--background", default="white")
     args = ap.parse_args()
     path = args.model or model_dir("smol-qwen2-vl")
     res = run(
@@ -202,6 +231,7 @@ def main() -> None:
         args.max_new_tokens,
         [int(x) for x in args.counts.split(",")],
         args.kinds.split(","),
+        args.background,
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,23 @@ def test_registered_chat_format_is_what_the_chat_template_gives(name: str) -> No
 
     assert ChatFormat.from_template(render) == DEFAULT_MODELS[name].chat_format
     assert registered_chat_format(str(path)) == DEFAULT_MODELS[name].chat_format
+
+
+def test_a_model_built_from_other_packaged_weights_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cache is keyed by name; the marker records the packaged weights it was built from, so
+    # a checkout that ships new tower weights rebuilds `smol-qwen2-vl` instead of serving old ones.
+    from realtime.models import _MARKER, _marker_text
+
+    monkeypatch.setenv("VLLM_REALTIME_HOME", str(tmp_path))
+    built = model_dir("smol-qwen2-vl")
+    assert tmp_path in built.parents
+    built.mkdir(parents=True)
+    (built / _MARKER).write_text("ok\n")  # a build from before the marker held a digest
+    assert not is_built("smol-qwen2-vl")
+    (built / _MARKER).write_text(_marker_text(DEFAULT_MODELS["smol-qwen2-vl"]))
+    assert is_built("smol-qwen2-vl")
+    (model_dir("tiny-qwen2-vl")).mkdir(parents=True)
+    (model_dir("tiny-qwen2-vl") / _MARKER).write_text("ok\n")  # no packaged inputs: any marker
+    assert is_built("tiny-qwen2-vl")

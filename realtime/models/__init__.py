@@ -44,6 +44,9 @@ class DefaultModel:
     build: Callable[[Path], None]
     chat_format: ChatFormat
     """How its chunks are written; tests/test_models.py checks it is what its template gives."""
+    inputs: Callable[[], str] | None = None
+    """A digest of what the build reads beyond the code (packaged weights): a model built from
+    other inputs is rebuilt, so new weights reach a cache that already holds the model."""
 
 
 def cache_root() -> Path:
@@ -65,6 +68,14 @@ def _build_tiny_vlm(out: Path) -> None:
     from realtime.models.tiny_vlm import build_tiny_vlm
 
     build_tiny_vlm(out)
+
+
+def _smol_vlm_inputs() -> str:
+    import hashlib
+
+    from realtime.models.smol_vlm import VISION_WEIGHTS
+
+    return "vision-sha256:" + hashlib.sha256(VISION_WEIGHTS.read_bytes()).hexdigest()[:16]
 
 
 def _build_smol_vlm(out: Path) -> None:
@@ -97,6 +108,7 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             "video",
             _build_smol_vlm,
             QWEN2_VL_CHATML,
+            _smol_vlm_inputs,
         ),
     )
 }
@@ -108,8 +120,17 @@ def model_dir(name: str) -> Path:
     return cache_root() / name
 
 
+def _marker_text(spec: DefaultModel) -> str:
+    return (spec.inputs() if spec.inputs is not None else "ok") + "\n"
+
+
 def is_built(name: str) -> bool:
-    return (model_dir(name) / _MARKER).exists()
+    """Built, and (for a model with `inputs`) from the inputs this checkout ships."""
+    marker = model_dir(name) / _MARKER
+    if not marker.exists():
+        return False
+    spec = DEFAULT_MODELS[name]
+    return spec.inputs is None or marker.read_text() == _marker_text(spec)
 
 
 def build_model(name: str, force: bool = False) -> Path:
@@ -126,7 +147,7 @@ def build_model(name: str, force: bool = False) -> Path:
     try:
         tmp.chmod(0o755)
         spec.build(tmp)
-        (tmp / _MARKER).write_text("ok\n")
+        (tmp / _MARKER).write_text(_marker_text(spec))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -39,8 +39,10 @@ from realtime.models.synth_frames import (
 CELL = PATCH_SIZE * MERGE_SIZE
 OBJECT_COVERAGE = 0.3  # a merged patch at least this much covered by shapes is an object patch
 # Target layouts: "sum" (every patch " <colour>" + " <shape>"; background words on a coloured
-# background) or "objcol" (object patches " <colour>", the others " <shape(s)>").
-LAYOUTS = ("sum", "objcol")
+# background), "objcol" (object patches " <colour>", the others " <shape(s)>"), or "mixed"
+# ("objcol" on white/black, which SmolLM2 reads best; "sum" on a coloured background, so that a
+# green scene such as Chromium's fake camera still reads as green).
+LAYOUTS = ("sum", "objcol", "mixed")
 
 
 def word_embeddings(smollm2_dir: Path) -> tuple[Any, Any]:
@@ -62,6 +64,21 @@ class Targets:
         assert layout in LAYOUTS, layout
         self.emb, self.tok, self.codes, self.layout = emb, tok, codes, layout
 
+    def candidates(self) -> tuple[list[tuple[str, ...]], Any]:
+        """Every vector a patch target can be, with the words it sums: single colour and shape
+        words (singular and plural) and colour + shape sums. The discriminative loss and the
+        held-out decoding pick among these."""
+        import torch
+
+        from realtime.models.synth_frames import COLOURS, SHAPES
+
+        names: list[tuple[str, ...]] = [(c,) for c in COLOURS]
+        names += [(s,) for s in SHAPES] + [(s + "s",) for s in SHAPES]
+        names += [(c, s) for c in COLOURS for s in SHAPES]
+        names += [(b,) for b in NEUTRAL_BACKGROUNDS]
+        table = torch.stack([torch.stack([self.word(w) for w in n]).sum(0) for n in names])
+        return names, table
+
     def word(self, w: str) -> Any:
         ids = self.tok.encode(" " + w, add_special_tokens=False)
         assert len(ids) == 1, (w, ids)
@@ -75,14 +92,15 @@ class Targets:
 
             return frame_vectors(self.codes, [spec]).expand(len(coverage), -1).clone()
 
-        if self.layout == "objcol":
+        neutral = spec.background in NEUTRAL_BACKGROUNDS
+        if self.layout == "objcol" or (self.layout == "mixed" and neutral):
             # Object patches read as the colour word, every other patch as the shape word
             # (plural when there are several): single words, not sums (docs/vlm.md, third round).
             colour = self.word(spec.colour)
             shape = self.word(spec.shape + ("s" if spec.count > 1 else ""))
             return torch.stack([colour if c >= OBJECT_COVERAGE else shape for c in coverage])
         fact = self.word(spec.colour) + self.word(spec.shape)
-        if spec.background in NEUTRAL_BACKGROUNDS:
+        if neutral:
             return fact.expand(len(coverage), -1).clone()
         bg = self.word(spec.background)
         return torch.stack([fact if c >= OBJECT_COVERAGE else bg for c in coverage.tolist()])
@@ -236,11 +254,22 @@ def train_embeddings(
     seed: int,
     device: str = "cpu",
     lr: float = 2e-3,
+    candidates: Any | None = None,
+    ce_weight: float = 0.0,
 ) -> list[tuple[int, float]]:
-    """Stage 1: fit each merged patch to its target (mean squared error)."""
+    """Stage 1: fit each merged patch to its target (mean squared error). With `candidates`
+    (every vector a target can be) and `ce_weight`, also a cross-entropy over the candidates with
+    logits -distance²: it spends the gradient on what tells the targets apart (the shape words
+    differ far less than the loss that the colours carry), not only on distance."""
     import torch
 
     model.to(device)
+    table = sharp = None
+    if candidates is not None and ce_weight:
+        table = candidates.to(device, torch.float32) / scale
+        gaps = torch.cdist(table, table).pow(2) / table.shape[1]
+        gaps.fill_diagonal_(float("inf"))
+        sharp = 5.0 / float(gaps.min())  # the nearest wrong candidate 5 nats below the right one
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
@@ -254,6 +283,10 @@ def train_embeddings(
         tgt = torch.cat([x[2] for x in items]).to(device)
         pred = model(pv, grid_thw=grid).pooler_output
         loss = torch.nn.functional.mse_loss(pred / scale, tgt / scale)
+        if table is not None and sharp is not None:
+            right = torch.cdist(tgt / scale, table).argmin(-1)
+            logits = -torch.cdist(pred / scale, table).pow(2) / table.shape[1] * sharp
+            loss = loss + ce_weight * torch.nn.functional.cross_entropy(logits, right)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -320,6 +353,7 @@ def train(
     init: Path | None = None,
     layout: str = "sum",
     workers: int = 0,
+    ce_weight: float = 0.0,
 ) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file, save_file
@@ -329,7 +363,8 @@ def train(
     torch.manual_seed(seed)
     emb, tok = word_embeddings(smollm2_dir)
     t0 = time.perf_counter()
-    data = make_dataset(n_train, seed, Targets(emb, tok, layout=layout), workers)
+    targets = Targets(emb, tok, layout=layout)
+    data = make_dataset(n_train, seed, targets, workers)
     info: dict[str, Any] = {"data_s": time.perf_counter() - t0}
     weights = None
     if init is not None:
@@ -339,7 +374,14 @@ def train(
     t1 = time.perf_counter()
     if init is None:
         info["stage1_loss"] = train_embeddings(
-            model, data, float(emb.std()), steps=steps, batch=batch, seed=seed + 1
+            model,
+            data,
+            float(emb.std()),
+            steps=steps,
+            batch=batch,
+            seed=seed + 1,
+            candidates=targets.candidates()[1],
+            ce_weight=ce_weight,
         )
     info["stage1_s"] = time.perf_counter() - t1
     t2 = time.perf_counter()
@@ -348,9 +390,8 @@ def train(
             model, data, smollm2_dir, steps=lm_steps, batch=lm_batch_size, seed=seed + 2
         )
     info["stage2_s"] = time.perf_counter() - t2
-    if layout == "objcol":
-        held = make_dataset(200, 7_777, Targets(emb, tok, layout=layout))
-        info["held_out"] = nearest_word_accuracy(model, held, Targets(emb, tok))
+    held = make_dataset(300, 7_777, targets, workers)  # a seed the training never uses
+    info["held_out"] = nearest_target_accuracy(model, held, targets)
     state = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -359,6 +400,7 @@ def train(
         "lm_steps": str(lm_steps),
         "seed": str(seed),
         "layout": layout,
+        "ce_weight": str(ce_weight),
     }
     save_file(state, str(out), metadata=meta)
     info["params"] = sum(p.numel() for p in model.parameters())
@@ -433,32 +475,43 @@ def nearest_code_accuracy(
     return {a: h / len(data) for a, h in hits.items()}
 
 
-def nearest_word_accuracy(model: Any, data: list[Any], targets: Targets) -> dict[str, float]:
-    """Tower alone, "objcol" layout: each merged patch decoded to its nearest colour or shape
-    word; a frame's colour (shape, count) is the one most of its patches name (a plural shape word
-    means more than one)."""
+def nearest_target_accuracy(model: Any, data: list[Any], targets: Targets) -> dict[str, Any]:
+    """Tower alone, any word layout: each merged patch decoded to its nearest candidate target
+    (`Targets.candidates`). A frame's colour is the one most colour + shape sums name, or, with
+    no sum, most single colour words; its shape the one most sums and shape words name (a plural
+    shape word means more than one); on a coloured background, its background the colour most
+    single colour words name. Accuracy per fact, on white/black and on coloured backgrounds."""
     from collections import Counter
 
     import torch
 
     from realtime.models.synth_frames import COLOURS, SHAPES
 
-    words = [*COLOURS, *SHAPES, *(s + "s" for s in SHAPES)]
-    table = torch.stack([targets.word(w) for w in words])
-    hits = {"colour": 0, "shape": 0, "several": 0}
+    names, table = targets.candidates()
+    groups: dict[str, Counter[str]] = {"neutral": Counter(), "coloured": Counter()}
     model.eval()
     with torch.no_grad():
         for pv, grid, _tgt, spec in data:
             out = model(pv.to(torch.float32), grid_thw=grid[None]).pooler_output
-            named = [words[int(i)] for i in torch.cdist(out, table).argmin(-1)]
-            colours = Counter(w for w in named if w in COLOURS)
-            shapes = Counter(w for w in named if w not in COLOURS)
-            top = shapes.most_common(1)[0][0] if shapes else ""
-            hits["colour"] += bool(colours) and colours.most_common(1)[0][0] == spec.colour
-            hits["shape"] += top.rstrip("s") == spec.shape
-            hits["several"] += top.endswith("s") == (spec.count > 1)
+            named = [names[int(i)] for i in torch.cdist(out, table).argmin(-1)]
+            sums = Counter(n[0] for n in named if len(n) == 2)
+            singles = Counter(n[0] for n in named if len(n) == 1 and n[0] in COLOURS)
+            shapes = Counter(n[-1] for n in named if n[-1].rstrip("s") in SHAPES)
+            colour = (sums or singles or Counter([""])).most_common(1)[0][0]
+            shape = (shapes or Counter([""])).most_common(1)[0][0]
+            g = groups["neutral" if spec.background in NEUTRAL_BACKGROUNDS else "coloured"]
+            g["n"] += 1
+            g["colour"] += colour == spec.colour
+            g["shape"] += shape.rstrip("s") == spec.shape
+            g["several"] += shape.endswith("s") == (spec.count > 1)
+            top_single = (singles or Counter([""])).most_common(1)[0][0]
+            g["background"] += top_single == spec.background
     model.train()
-    return {a: h / len(data) for a, h in hits.items()}
+    result: dict[str, Any] = {}
+    for name, g in groups.items():
+        n = max(1, g.pop("n", 0))
+        result[name] = {"n": n, **{k: round(v / n, 3) for k, v in g.items()}}
+    return result
 
 
 def main() -> None:
@@ -480,6 +533,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--layout", choices=LAYOUTS, default="sum", help="stage 1 target layout")
+    ap.add_argument(
+        "--ce-weight", type=float, default=0.0, help="stage 1 nearest-target cross-entropy weight"
+    )
     args = ap.parse_args()
     if args.codes is not None:
         info = train_codes(
@@ -508,6 +564,7 @@ def main() -> None:
         init=args.init,
         layout=args.layout,
         workers=args.workers,
+        ce_weight=args.ce_weight,
     )
     print(json.dumps(info))
 
