@@ -169,6 +169,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--frames", type=int, default=500)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--model-dir", type=Path, help="a built smol-qwen2-vl elsewhere (other tower weights)"
+    )
     ap.add_argument("--instructions", default=INSTRUCTIONS)
     args = ap.parse_args()
 
@@ -176,7 +179,7 @@ def main() -> None:
 
     engine = start_engine(
         EngineSettings(
-            model=MODEL,
+            model=str(args.model_dir) if args.model_dir else MODEL,
             max_model_len=1024,
             kv_cache_memory_bytes=64 << 20,
             block_size=32,

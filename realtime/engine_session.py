@@ -23,6 +23,7 @@ flight at a time and a chunk that arrives during the consolidation runs right af
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import time
@@ -50,6 +51,7 @@ from retention.policy import (
     CONSOLIDATE,
     CONTROL_KEY,
     REQUEST_ARGS_KEY,
+    idle_time_suffices,
 )
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
 
@@ -274,6 +276,12 @@ class EngineSession:
         # The control chunk in flight (idle consolidation), and how many ran.
         self._idle_task: asyncio.Task[None] | None = None
         self.idle_consolidations = 0
+        # Consolidations left to the next chunk's path because the client's recent idle gaps
+        # were shorter than the last one took (`retention.policy.idle_time_suffices`).
+        self.idle_consolidations_skipped = 0
+        self._recent_gaps_s: collections.deque[float] = collections.deque(maxlen=8)
+        self._last_consolidation_s: float | None = None
+        self._boundary_at: float | None = None
         self.prompt_tokens_total = 0
         self.chunks = 0
         self.finished = False
@@ -328,6 +336,9 @@ class EngineSession:
         from vllm.engine.protocol import StreamingInput
 
         started = time.perf_counter()
+        if self._boundary_at is not None:
+            self._recent_gaps_s.append(started - self._boundary_at)
+            self._boundary_at = None
         await self._wait_idle_consolidation()
         if self.finished:
             raise EngineError("the engine ended this session")
@@ -370,8 +381,12 @@ class EngineSession:
                     and report.retention is not None
                     and report.retention.consolidate_when_idle
                 ):
-                    self._idle_task = asyncio.create_task(self._consolidate_idle())
+                    if idle_time_suffices(self._recent_gaps_s, self._last_consolidation_s):
+                        self._idle_task = asyncio.create_task(self._consolidate_idle())
+                    else:  # the next chunk's fold consolidates, in one pass with its prefill
+                        self.idle_consolidations_skipped += 1
                 now = time.perf_counter()
+                self._boundary_at = now
                 yield ChunkFinished(
                     finish_reason=completion_out.finish_reason,
                     prompt_tokens=prompt_tokens,
@@ -409,6 +424,7 @@ class EngineSession:
         params.extra_args = {**(params.extra_args or {}), CONTROL_KEY: CONSOLIDATE}
         # The token is never computed: the scheduler drops it at the fold.
         prompt = TokensPrompt(prompt_token_ids=[0])
+        started = time.perf_counter()
         self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
         assert self._outputs is not None
         while True:
@@ -421,6 +437,7 @@ class EngineSession:
                 if report is not None:
                     self.boundary_report = report
                 self.idle_consolidations += 1
+                self._last_consolidation_s = time.perf_counter() - started
                 return
 
     async def _next_output(self) -> Any:

@@ -65,6 +65,7 @@ re-prefill of the compacted context, e.g. a self-preempting request).
 from __future__ import annotations
 
 import math
+import statistics
 from bisect import bisect_right
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -844,6 +845,25 @@ def idle_consolidation_due(position_cursor: int, expected_incoming: int, limit: 
     if limit is None or expected_incoming == 0:
         return False
     return position_cursor + expected_incoming > limit
+
+
+def idle_time_suffices(recent_gaps_s: Sequence[float], consolidation_s: float | None) -> bool:
+    """Whether to consolidate while idle, given the client's recent idle gaps (reply done →
+    next chunk sent, seconds) and how long the last idle consolidation took.
+
+    An idle consolidation that the next chunk must wait for costs that chunk more than doing it
+    on the chunk's path (the chunk waits for the rest of it, in pieces, and then for its own
+    prefill; measured in docs/benchmarks.md), so it is worth starting only when the client
+    usually leaves the time for it: the median recent gap is at least the last consolidation's
+    duration. With no figure yet (no gap or no consolidation measured) it is tried.
+    """
+    gaps = list(recent_gaps_s)
+    for value in (*gaps, consolidation_s):
+        if value is not None and (not isinstance(value, int | float) or value < 0):
+            raise ValueError(f"durations must be numbers >= 0, got {value!r}")
+    if not gaps or consolidation_s is None:
+        return True
+    return statistics.median(gaps) >= consolidation_s
 
 
 def reprefill_piece(remaining: int, piece: int) -> int:

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from retention.vllm_adapter.heap_trim import trim_free_heap
+
 FOLD_CONTROL_KEY: Final = "vllm_realtime.fold_control"
 FOLD_CONTROL_VERSION: Final = 1
 _FOLD_ATTR: Final = "_vllm_realtime_fold"
@@ -154,3 +156,6 @@ def accept_fold(req_state: Any, control: FoldControl) -> None:
             f"times, the worker saw {resumes} resumes"
         )
     setattr(req_state, _FOLD_ATTR, control.fold)
+    if control.reset and control.fold > 0:
+        # A consolidation: the previous window's re-prefill activations are free by now.
+        trim_free_heap()

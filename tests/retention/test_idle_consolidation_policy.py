@@ -99,3 +99,26 @@ def test_idle_consolidation_due_iff_the_next_fold_would_consolidate(
     assert idle_consolidation_due(cursor_at_boundary, incoming, limit) == needs_consolidation(
         at_next_fold, budget, incoming, limit
     )
+
+
+def test_idle_consolidation_only_where_the_client_leaves_time_for_it() -> None:
+    from retention.policy import idle_time_suffices
+
+    assert idle_time_suffices([], None)  # nothing measured yet: try it
+    assert idle_time_suffices([0.05], None)
+    assert idle_time_suffices([], 0.3)
+    assert idle_time_suffices([0.3, 0.4, 0.05], 0.3)  # median 0.3
+    assert not idle_time_suffices([0.06, 0.05, 0.4], 0.3)  # a busy client: median 0.06
+    with pytest.raises(ValueError):
+        idle_time_suffices([-1.0], 0.3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 10), min_size=1, max_size=8), st.floats(0, 10))
+def test_idle_consolidation_decision_is_monotone(gaps: list[float], took: float) -> None:
+    from retention.policy import idle_time_suffices
+
+    if idle_time_suffices(gaps, took):
+        # Longer gaps or a faster consolidation never turn a yes into a no.
+        assert idle_time_suffices([g + 1 for g in gaps], took)
+        assert idle_time_suffices(gaps, took / 2)

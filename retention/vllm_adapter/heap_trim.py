@@ -1,0 +1,42 @@
+"""Give the worker's free heap back to the OS after a consolidation (glibc only).
+
+Why: over 1,000 bounded video frames (bench/tail_latency.py, docs/benchmarks.md) the worker's
+malloc bytes in use stayed flat while its RSS grew ~1 MB per 1,000 frames: glibc keeps what the
+large, short-lived activations of re-prefill steps free in its arenas. `malloc_trim(0)` returns
+it. Called on a consolidation's fold, at most once per `MIN_INTERVAL_S` per process, so many
+sessions consolidating together cost one trim.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from typing import Any, Final
+
+MIN_INTERVAL_S: Final = 5.0
+_STATE: dict[str, Any] = {}  # "trim": the bound libc function or None; "last": monotonic time
+
+
+def _malloc_trim() -> Any:
+    if "trim" not in _STATE:
+        fn: Any = None
+        try:
+            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+        except (OSError, AttributeError):  # not glibc: nothing to do
+            fn = None
+        _STATE["trim"] = fn
+    return _STATE["trim"]
+
+
+def trim_free_heap(now: float | None = None) -> bool:
+    """Return the free heap to the OS unless this process did so in the last `MIN_INTERVAL_S`.
+    True when it trimmed."""
+    fn = _malloc_trim()
+    now = time.monotonic() if now is None else now
+    if fn is None or now - _STATE.get("last", -MIN_INTERVAL_S) < MIN_INTERVAL_S:
+        return False
+    _STATE["last"] = now
+    fn(0)
+    return True
