@@ -85,6 +85,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     engine = start_engine(settings)
     records: list[dict[str, Any]] = []
     idle_total = idle_skipped = 0
+    consolidation_s: list[float] = []
+    seen_idle = 0
     rss: list[tuple[int, int]] = []
     steps: dict[str, Any] = {}
     heap: dict[str, Any] = {}
@@ -141,6 +143,9 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             counters = report.retention
             assert counters is not None, report
             idle_during = es.idle_consolidations - idle_before
+            if es.idle_consolidations > seen_idle and es.last_consolidation_s is not None:
+                consolidation_s.append(es.last_consolidation_s)  # at most one per gap
+            seen_idle = es.idle_consolidations
             inline = counters.consolidations - cons_before - idle_during
             if i == 0:
                 first_tokens = report.tokens_in_context
@@ -208,6 +213,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         "idle_consolidations": idle_total,
         # Due while idle but left to the next frame: the client's gaps were too short for it.
         "idle_consolidations_skipped": idle_skipped,
+        "idle_consolidation_ms": quantiles([x * 1e3 for x in consolidation_s] or [0.0, 0.0]),
         "inline_consolidations": sum(1 for r in records if r["inline_consolidation"]),
         "frames_that_waited_for_an_idle_consolidation": sum(
             1 for r in records if r["waited_for_idle_consolidation"]

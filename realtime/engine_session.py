@@ -248,11 +248,14 @@ class EngineSession:
         *,
         ignore_eos: bool = False,
         idle_consolidation: bool = True,
+        adapt_idle_to_client: bool = True,
     ) -> None:
         """`retention`: the engine budget (`extra_args["streaming_retention"]`), if bounded.
         `ignore_eos`: replies always run to max_tokens (benchmarks, for comparable turns).
         `idle_consolidation`: consolidate between chunks when the engine asks (bounded
-        sessions); False leaves every consolidation on a chunk's path (benchmarks)."""
+        sessions); False leaves every consolidation on a chunk's path (benchmarks).
+        `adapt_idle_to_client`: skip an idle consolidation the client's recent gaps leave no time
+        for (`retention.policy.idle_time_suffices`); False: always consolidate while idle."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -282,6 +285,7 @@ class EngineSession:
         self._recent_gaps_s: collections.deque[float] = collections.deque(maxlen=8)
         self._last_consolidation_s: float | None = None
         self._boundary_at: float | None = None
+        self.adapt_idle_to_client = adapt_idle_to_client
         self.prompt_tokens_total = 0
         self.chunks = 0
         self.finished = False
@@ -381,7 +385,9 @@ class EngineSession:
                     and report.retention is not None
                     and report.retention.consolidate_when_idle
                 ):
-                    if idle_time_suffices(self._recent_gaps_s, self._last_consolidation_s):
+                    if not self.adapt_idle_to_client or idle_time_suffices(
+                        self._recent_gaps_s, self._last_consolidation_s
+                    ):
                         self._idle_task = asyncio.create_task(self._consolidate_idle())
                     else:  # the next chunk's fold consolidates, in one pass with its prefill
                         self.idle_consolidations_skipped += 1
@@ -460,6 +466,11 @@ class EngineSession:
         self.end_report = report
         finish = getattr(completion_out, "finish_reason", None)
         return _engine_failure(report=report, finish_reason=finish)
+
+    @property
+    def last_consolidation_s(self) -> float | None:
+        """How long the last idle consolidation took (control chunk sent → its boundary)."""
+        return self._last_consolidation_s
 
     @property
     def consolidating(self) -> bool:

@@ -40,8 +40,9 @@ CELL = PATCH_SIZE * MERGE_SIZE
 OBJECT_COVERAGE = 0.3  # a merged patch at least this much covered by shapes is an object patch
 # Target layouts: "sum" (every patch " <colour>" + " <shape>"; background words on a coloured
 # background), "objcol" (object patches " <colour>", the others " <shape(s)>"), or "mixed"
-# ("objcol" on white/black, which SmolLM2 reads best; "sum" on a coloured background, so that a
-# green scene such as Chromium's fake camera still reads as green).
+# ("objcol" on white/black, which SmolLM2 reads best; on a coloured background the other patches
+# carry " <background>" + " <shape(s)>", so that a green scene such as Chromium's fake camera can
+# still read as green). Read with exact targets (bench/vlm_reading.py, docs/vlm.md).
 LAYOUTS = ("sum", "objcol", "mixed")
 
 
@@ -75,6 +76,7 @@ class Targets:
         names: list[tuple[str, ...]] = [(c,) for c in COLOURS]
         names += [(s,) for s in SHAPES] + [(s + "s",) for s in SHAPES]
         names += [(c, s) for c in COLOURS for s in SHAPES]
+        names += [(c, s + "s") for c in COLOURS for s in SHAPES]
         names += [(b,) for b in NEUTRAL_BACKGROUNDS]
         table = torch.stack([torch.stack([self.word(w) for w in n]).sum(0) for n in names])
         return names, table
@@ -99,6 +101,12 @@ class Targets:
             colour = self.word(spec.colour)
             shape = self.word(spec.shape + ("s" if spec.count > 1 else ""))
             return torch.stack([colour if c >= OBJECT_COVERAGE else shape for c in coverage])
+        if self.layout == "mixed":
+            colour = self.word(spec.colour)
+            other = self.word(spec.background) + self.word(
+                spec.shape + ("s" if spec.count > 1 else "")
+            )
+            return torch.stack([colour if c >= OBJECT_COVERAGE else other for c in coverage])
         fact = self.word(spec.colour) + self.word(spec.shape)
         if neutral:
             return fact.expand(len(coverage), -1).clone()
@@ -477,10 +485,10 @@ def nearest_code_accuracy(
 
 def nearest_target_accuracy(model: Any, data: list[Any], targets: Targets) -> dict[str, Any]:
     """Tower alone, any word layout: each merged patch decoded to its nearest candidate target
-    (`Targets.candidates`). A frame's colour is the one most colour + shape sums name, or, with
-    no sum, most single colour words; its shape the one most sums and shape words name (a plural
-    shape word means more than one); on a coloured background, its background the colour most
-    single colour words name. Accuracy per fact, on white/black and on coloured backgrounds."""
+    (`Targets.candidates`). A frame's colour is the one most object patches name, its shape the
+    one most sums and shape words name (a plural shape word means more than one), and on a
+    coloured background its background the colour most background patches name. Accuracy per
+    fact, on white/black and on coloured backgrounds."""
     from collections import Counter
 
     import torch
@@ -497,15 +505,17 @@ def nearest_target_accuracy(model: Any, data: list[Any], targets: Targets) -> di
             sums = Counter(n[0] for n in named if len(n) == 2)
             singles = Counter(n[0] for n in named if len(n) == 1 and n[0] in COLOURS)
             shapes = Counter(n[-1] for n in named if n[-1].rstrip("s") in SHAPES)
-            colour = (sums or singles or Counter([""])).most_common(1)[0][0]
+            # "sum": colour + shape on the object, the background word alone; word layouts:
+            # the colour alone on the object, the background word in the sums.
+            objects, grounds = (sums, singles) if targets.layout == "sum" else (singles, sums)
+            colour = (objects or grounds or Counter([""])).most_common(1)[0][0]
             shape = (shapes or Counter([""])).most_common(1)[0][0]
             g = groups["neutral" if spec.background in NEUTRAL_BACKGROUNDS else "coloured"]
             g["n"] += 1
             g["colour"] += colour == spec.colour
             g["shape"] += shape.rstrip("s") == spec.shape
             g["several"] += shape.endswith("s") == (spec.count > 1)
-            top_single = (singles or Counter([""])).most_common(1)[0][0]
-            g["background"] += top_single == spec.background
+            g["background"] += (grounds or Counter([""])).most_common(1)[0][0] == spec.background
     model.train()
     result: dict[str, Any] = {}
     for name, g in groups.items():

@@ -104,7 +104,12 @@ async def test_idle_consolidation_and_a_chunk_arriving_during_it(
     rec = Recording(smollm2_engine)
     rid = f"idle-{uuid.uuid4().hex[:12]}"
     es = EngineSession(
-        rec, rid, SamplingConfig(max_tokens=2, temperature=0.0), dict(BUDGET), ignore_eos=True
+        rec,
+        rid,
+        SamplingConfig(max_tokens=2, temperature=0.0),
+        dict(BUDGET),
+        ignore_eos=True,
+        adapt_idle_to_client=False,  # every due consolidation runs idle, whatever the gaps
     )
     usable = (await kv_stats(smollm2_engine))["num_usable_blocks"]
     checked_idle = checked_during = 0
@@ -170,6 +175,46 @@ async def test_idle_consolidation_and_a_chunk_arriving_during_it(
         assert held is not None
         assert control.retention.chunks_retained == held["chunks_retained"]
         assert control.tokens_in_context == held["tokens_held"]
+    finally:
+        await es.abort()
+    for _ in range(100):
+        if (await kv_stats(smollm2_engine))["num_free_blocks"] == usable:
+            break
+        await asyncio.sleep(0.05)
+    assert (await kv_stats(smollm2_engine))["num_free_blocks"] == usable
+
+
+async def test_a_client_without_idle_time_gets_its_consolidations_inline(
+    smollm2_engine: Any,
+    tokenizer: Any,  # noqa: F811
+) -> None:
+    # Chunks sent back to back leave no gap: once a consolidation is known to take longer than
+    # the client's gaps, EngineSession leaves the next one to the chunk's own fold (one pass)
+    # instead of making that chunk wait for a control chunk.
+    rid = f"busy-{uuid.uuid4().hex[:12]}"
+    rec = Recording(smollm2_engine)
+    es = EngineSession(
+        rec,
+        rid,
+        SamplingConfig(max_tokens=2, temperature=0.0),
+        dict(BUDGET),
+        ignore_eos=True,
+    )
+    usable = (await kv_stats(smollm2_engine))["num_usable_blocks"]
+    try:
+        for i in range(60):
+            await send(es, rec, chunk_tokens(tokenizer, i))
+            if es.idle_consolidations and es._last_consolidation_s is not None:
+                # The measured duration stands for a slow consolidation (a 2-core machine's
+                # timing would make the test flaky): no back-to-back gap is that long.
+                es._last_consolidation_s = 60.0
+            if es.idle_consolidations_skipped >= 2:
+                break
+        assert es.idle_consolidations_skipped >= 2
+        state = await retention_state(smollm2_engine, rid)
+        assert state is not None
+        assert state["consolidations"] > state["idle_consolidations"] == es.idle_consolidations
+        assert state["position_cursor"] <= 200
     finally:
         await es.abort()
     for _ in range(100):
