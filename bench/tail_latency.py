@@ -44,6 +44,8 @@ VIDEO_MODEL = "tiny-qwen2-vl"
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
+    if len(values) < 2:
+        values = [*values, *values] or [0.0, 0.0]  # statistics.quantiles needs two points
     q = statistics.quantiles(values, n=100, method="inclusive")
     return {"p50": round(q[49], 2), "p90": round(q[89], 2), "p99": round(q[98], 2)}
 
@@ -213,7 +215,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         "idle_consolidations": idle_total,
         # Due while idle but left to the next frame: the client's gaps were too short for it.
         "idle_consolidations_skipped": idle_skipped,
-        "idle_consolidation_ms": quantiles([x * 1e3 for x in consolidation_s] or [0.0, 0.0]),
+        "idle_consolidation_ms": quantiles([x * 1e3 for x in consolidation_s]),
         "inline_consolidations": sum(1 for r in records if r["inline_consolidation"]),
         "frames_that_waited_for_an_idle_consolidation": sum(
             1 for r in records if r["waited_for_idle_consolidation"]

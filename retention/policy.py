@@ -866,14 +866,23 @@ def idle_time_suffices(recent_gaps_s: Sequence[float], consolidation_s: float | 
     return statistics.median(gaps) >= consolidation_s
 
 
+def reprefill_grain(piece: int) -> int:
+    """The unit the rest of a re-prefill (under one piece) is cut in: ``piece // 8``, at least 1."""
+    return max(1, piece // 8)
+
+
 def reprefill_piece(remaining: int, piece: int) -> int:
     """Tokens to compute in the next step of a re-prefill that has ``remaining`` tokens left.
 
-    Whole pieces of ``piece`` tokens first, then the rest in falling powers of two, so that every
-    step size is ``piece`` or a power of two below it: a re-prefill of any length runs in at
-    most ``log2(piece) + 1`` distinct step sizes (the CPU worker keeps state per distinct step
-    size), in ``remaining // piece + popcount(remaining % piece)`` steps. ``piece`` must be a
-    power of two; ``piece == 0`` disables the split (the whole rest in one step).
+    Whole pieces of ``piece`` tokens first; then the rest in at most two steps: its whole
+    grains (a multiple of :func:`reprefill_grain`, ``piece // 8``), then what is left (under one
+    grain). Every step size is then ``piece``, one of 7 grain multiples or one of ``grain - 1``
+    small sizes: a re-prefill of any length meets at most ``8 + grain - 1`` distinct step sizes
+    (the CPU worker keeps state per distinct step size), in ``remaining // piece + 2`` steps at
+    most. (Falling powers of two, the first version, met fewer sizes but took up to
+    ``log2(piece) + 1`` steps for the rest: six for a 250-token SmolLM2 window, ~45 ms each on
+    two cores, which made a re-prefill slower than one step; docs/benchmarks.md.) ``piece`` must
+    be a power of two; ``piece == 0`` disables the split (the whole rest in one step).
     """
     if not _is_int(remaining) or remaining < 1:
         raise ValueError(f"remaining must be an integer >= 1, got {remaining!r}")
@@ -881,7 +890,8 @@ def reprefill_piece(remaining: int, piece: int) -> int:
         raise ValueError(f"piece must be 0 or a power of two, got {piece!r}")
     if piece == 0 or remaining >= piece:
         return piece or remaining
-    return 1 << (remaining.bit_length() - 1)
+    grain = reprefill_grain(piece)
+    return remaining - remaining % grain if remaining >= grain else remaining
 
 
 def reprefill_pieces(total: int, piece: int) -> list[int]:

@@ -19,10 +19,18 @@ from retention.policy import (
 POWERS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
+def allowed_sizes(piece: int) -> set[int]:
+    """The piece, its 7 grain multiples below it, and the sizes under one grain."""
+    grain = max(1, piece // 8)
+    return {piece} | {grain * k for k in range(1, 8)} | set(range(1, grain))
+
+
 def test_reprefill_pieces_examples() -> None:
-    assert reprefill_pieces(300, 128) == [128, 128, 32, 8, 4]
+    assert reprefill_pieces(300, 128) == [128, 128, 32, 12]
+    assert reprefill_pieces(250, 128) == [128, 112, 10]
     assert reprefill_pieces(128, 128) == [128]
-    assert reprefill_pieces(7, 128) == [4, 2, 1]
+    assert reprefill_pieces(7, 128) == [7]
+    assert reprefill_pieces(7, 4) == [4, 3]
     assert reprefill_pieces(300, 0) == [300]
     assert reprefill_pieces(0, 64) == []
 
@@ -42,14 +50,12 @@ def test_reprefill_pieces_cover_the_total_in_few_repeating_sizes(total: int, pie
     if piece == 0:
         assert steps == [total]
         return
-    allowed = {piece} | {1 << k for k in range(piece.bit_length() - 1)}
-    assert set(steps) <= allowed
-    # Whole pieces first, then strictly falling powers of two.
+    assert set(steps) <= allowed_sizes(piece)
+    # Whole pieces first, then the rest's whole grains, then what is left: two steps at most.
     whole = total // piece
     assert steps[:whole] == [piece] * whole
     rest = steps[whole:]
-    assert rest == sorted(rest, reverse=True) and len(set(rest)) == len(rest)
-    assert len(steps) == whole + bin(total % piece).count("1")
+    assert rest == sorted(rest, reverse=True) and len(set(rest)) == len(rest) <= 2
 
 
 @settings(max_examples=300, deadline=None)
@@ -64,7 +70,7 @@ def test_every_step_is_the_piece_of_what_is_left(total: int, piece: int, cap: in
         sizes.add(step)
         left -= step
     if cap >= piece:
-        assert sizes <= {piece} | {1 << k for k in range(piece.bit_length() - 1)}
+        assert sizes <= allowed_sizes(piece)
 
 
 def test_idle_consolidation_due_examples() -> None:

@@ -37,7 +37,7 @@ def test_a_reprefill_is_scheduled_in_repeating_pieces_then_uncapped() -> None:
     while done < 300:
         steps.append(retention.step_cap(request, done, 300 - done))
         done += steps[-1]
-    assert steps == reprefill_pieces(300, 128) == [128, 128, 32, 8, 4]
+    assert steps == reprefill_pieces(300, 128) == [128, 128, 32, 12]
     # vLLM's own smaller figure (token budget) wins.
     assert retention.step_cap(request, 0, 50) == 50
     # Requests without retention are never capped.
