@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.vlm_accuracy import INSTRUCTIONS, QUESTIONS, named
+from bench.vlm_accuracy import DESCRIBE, INSTRUCTIONS, QUESTIONS, named
 from realtime.models.synth_frames import COLOURS, COUNT_WORDS, SHAPES, FrameSpec, draw_frame
 
 N_TOKENS = 16
@@ -151,7 +151,7 @@ def run(
         t0 = time.perf_counter()
         rows: list[dict[str, Any]] = []
         for kind in kinds:
-            question = QUESTIONS.get(kind, "Describe the image.")
+            question = QUESTIONS.get(kind, DESCRIBE)
             vecs, texts = [], []
             for spec in specs:
                 v, ids = layout(name, spec, w)

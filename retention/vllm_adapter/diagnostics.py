@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any, Final
 
+from retention.vllm_adapter.heap_trim import libc_function
 from retention.vllm_adapter.introspect import _rss_bytes
 
 DIAGNOSTICS_ENV: Final = "VLLM_REALTIME_DIAGNOSTICS"
@@ -30,7 +31,6 @@ def malloc_info() -> dict[str, int] | None:
     """glibc's own accounting (mallinfo2): bytes in use vs held free, to tell a leak (in use
     grows) from allocator retention (RSS grows, in use flat). None off glibc."""
     import ctypes
-    import ctypes.util
 
     if "mallinfo2" not in _DIAGNOSTICS:
 
@@ -43,12 +43,9 @@ def malloc_info() -> dict[str, int] | None:
                 )
             ]  # fmt: skip
 
-        bound: Any = None
-        try:
-            bound = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+        bound = libc_function("mallinfo2")
+        if bound is not None:
             bound.restype = MallInfo2
-        except (OSError, AttributeError):
-            bound = None
         _DIAGNOSTICS["mallinfo2"] = bound
     fn = _DIAGNOSTICS["mallinfo2"]
     if fn is None:

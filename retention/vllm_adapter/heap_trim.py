@@ -18,14 +18,19 @@ MIN_INTERVAL_S: Final = 5.0
 _STATE: dict[str, Any] = {}  # "trim": the bound libc function or None; "last": monotonic time
 
 
+def libc_function(name: str) -> Any:
+    """A function of the C library by name, or None (no such library or symbol: not glibc)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def _malloc_trim() -> Any:
     if "trim" not in _STATE:
-        fn: Any = None
-        try:
-            fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        fn = libc_function("malloc_trim")
+        if fn is not None:
             fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-        except (OSError, AttributeError):  # not glibc: nothing to do
-            fn = None
         _STATE["trim"] = fn
     return _STATE["trim"]
 

@@ -86,6 +86,15 @@ async def send(es: EngineSession, rec: Recording, tokens: list[int]) -> tuple[di
     return first, finished
 
 
+async def assert_all_blocks_free(engine: Any, usable: int) -> None:
+    """The aborted session's blocks return to the pool (the abort is asynchronous)."""
+    for _ in range(100):
+        if (await kv_stats(engine))["num_free_blocks"] == usable:
+            break
+        await asyncio.sleep(0.05)
+    assert (await kv_stats(engine))["num_free_blocks"] == usable
+
+
 def assert_fresh_prefill(model: Any, state: dict[str, Any], chunk: list[int], got: dict) -> None:
     """The survivors sit at 0..n-1 and the chunk right after them: a fresh dense prefill."""
     survivors = state["token_ids"]
@@ -177,11 +186,7 @@ async def test_idle_consolidation_and_a_chunk_arriving_during_it(
         assert control.tokens_in_context == held["tokens_held"]
     finally:
         await es.abort()
-    for _ in range(100):
-        if (await kv_stats(smollm2_engine))["num_free_blocks"] == usable:
-            break
-        await asyncio.sleep(0.05)
-    assert (await kv_stats(smollm2_engine))["num_free_blocks"] == usable
+    await assert_all_blocks_free(smollm2_engine, usable)
 
 
 async def test_a_client_without_idle_time_gets_its_consolidations_inline(
@@ -217,8 +222,4 @@ async def test_a_client_without_idle_time_gets_its_consolidations_inline(
         assert state["position_cursor"] <= 200
     finally:
         await es.abort()
-    for _ in range(100):
-        if (await kv_stats(smollm2_engine))["num_free_blocks"] == usable:
-            break
-        await asyncio.sleep(0.05)
-    assert (await kv_stats(smollm2_engine))["num_free_blocks"] == usable
+    await assert_all_blocks_free(smollm2_engine, usable)
