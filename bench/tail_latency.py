@@ -8,11 +8,14 @@ each mode, one engine and ONE bounded session on the server's own path (`EngineS
 `render_chunk`), frames paced by a client clock (`--period-ms`: a frame every period, or at
 once when the previous one ended late; or `--gap-ms` of idle time after each reply), every frame answered (`--max-tokens`, EOS ignored):
 
-* `idle` (today's code): consolidation while the session is idle (a control chunk after the
-  boundary whose report asks for it), re-prefills in pieces of repeating sizes (128, then
-  powers of two);
-* `inline` (the behaviour before issue #21): every consolidation on the path of the frame
-  that needs it, the re-prefill in one step (`VLLM_REALTIME_REPREFILL_PIECE=0`).
+* `rotate` (the default on 1D-RoPE models since session 10): a consolidation rotates the
+  window's cached keys to 0..n-1 in place, on the fold of the frame that needs it, with no
+  model step (`retention/vllm_adapter/kv_rotation.py`). mRoPE models cannot rotate: their
+  sessions re-prefill (as `idle`);
+* `idle`: a re-prefill while the session is idle (a control chunk after the boundary whose
+  report asks for it, when the client's gaps leave the time), in pieces of repeating sizes;
+* `inline` (the behaviour before issue #21): every consolidation re-prefilled on the path of
+  the frame that needs it, in one step (`VLLM_REALTIME_REPREFILL_PIECE=0`).
 
 `--max-position` is set low enough for many consolidations. Reported per run: p50/p90/p99 of
 the per-frame latency (the chunk sent → its boundary, what `response.done` measures), p99/p50,
@@ -64,13 +67,13 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     from realtime.engine_session import ChunkFinished, EngineSession, chat_format_of, render_chunk
     from retention.vllm_adapter.diagnostics import DIAGNOSTICS_ENV, heap_stats
     from retention.vllm_adapter.eviction import REPREFILL_PIECE_ENV
-    from retention.vllm_adapter.introspect import worker_stats
+    from retention.vllm_adapter.introspect import retention_state, worker_stats
 
     video = model == VIDEO_MODEL
     frames = args.video_frames if video else args.text_frames
     max_position = args.video_max_position if video else args.text_max_position
     # Read by the engine processes at start-up (they inherit this environment).
-    os.environ[REPREFILL_PIECE_ENV] = str(args.piece if mode == "idle" else 0)
+    os.environ[REPREFILL_PIECE_ENV] = str(0 if mode == "inline" else args.piece)
     os.environ[DIAGNOSTICS_ENV] = "1"
     extra: dict[str, Any] = {"limit_mm_per_prompt": {"image": 1, "video": 0}} if video else {}
     settings = EngineSettings(
@@ -82,10 +85,16 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         dtype="float32",
         extra=extra,
     )
-    budget = {"sink_chunks": 1, "window_chunks": args.window, "max_position": max_position}
+    budget: dict[str, Any] = {
+        "sink_chunks": 1,
+        "window_chunks": args.window,
+        "max_position": max_position,
+        "consolidation": "rotate" if mode == "rotate" else "reprefill",
+    }
     load_before = loadavg()
     engine = start_engine(settings)
     records: list[dict[str, Any]] = []
+    final: dict[str, Any] = {}
     idle_total = idle_skipped = 0
     consolidation_s: list[float] = []
     seen_idle = 0
@@ -101,7 +110,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             SamplingConfig(max_tokens=args.max_tokens, temperature=0.0),
             budget,
             ignore_eos=True,
-            idle_consolidation=mode == "idle",
+            idle_consolidation=mode != "inline",
         )
         config = SessionConfig(
             modality="video" if video else "text",
@@ -181,6 +190,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         }
         idle_total = es.idle_consolidations
         idle_skipped = es.idle_consolidations_skipped
+        final = await retention_state(engine, es.request_id) or {}
         await es.abort()
     finally:
         engine.shutdown()
@@ -201,7 +211,10 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         "seconds": round(seconds, 1),
         "budget": budget,
         "block_size": args.block_size,
-        "reprefill_piece": args.piece if mode == "idle" else 0,
+        "reprefill_piece": 0 if mode == "inline" else args.piece,
+        "consolidation_mode": final.get("consolidation"),
+        "rotations": final.get("rotations"),
+        "rotation_fallbacks": final.get("rotation_fallbacks"),
         "period_ms": args.period_ms,
         "gap_ms": args.gap_ms,
         "max_tokens": args.max_tokens,
@@ -271,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-frames", type=int, default=3000)
     parser.add_argument("--video-frames", type=int, default=1000)
     parser.add_argument("--models", default="text,video", help="text, video or both")
-    parser.add_argument("--modes", default="idle,inline", help="idle, inline or both")
+    parser.add_argument(
+        "--modes", default="rotate,idle,inline", help="rotate, idle, inline (comma-separated)"
+    )
     parser.add_argument("--text-max-position", type=int, default=1024)
     parser.add_argument("--video-max-position", type=int, default=640)
     parser.add_argument("--window", type=int, default=4)

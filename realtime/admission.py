@@ -52,6 +52,7 @@ from protocol import (
 )
 from realtime.config import ServerConfig
 from realtime.media import MAX_CLIP_FRAMES
+from retention.policy import ConsolidationMode
 
 BUDGET_FIELDS = frozenset(
     {"sink_tokens", "sink_chunks", "window_chunks", "window_tokens", "text_window_tokens"}
@@ -282,6 +283,8 @@ class Admission:
     max_sessions_per_key: int | None = None
     retention_max_position: int | None = None
     """The server's position limit, sent to the engine with every budget (None: the model's)."""
+    consolidation: ConsolidationMode | None = None
+    """The server's consolidation mode, sent with every budget (None: the engine's default)."""
     strict_budgets: bool = False
 
     @classmethod
@@ -310,6 +313,7 @@ class Admission:
             engine_slots=engine_slots,
             max_sessions_per_key=server.max_sessions_per_key,
             retention_max_position=server.retention_max_position,
+            consolidation=server.consolidation,
             strict_budgets=server.strict_budgets,
         )
 
@@ -329,6 +333,8 @@ class Admission:
             args["text_window_tokens"] = r.text_window_tokens
         if self.retention_max_position is not None:
             args["max_position"] = self.retention_max_position
+        if self.consolidation is not None:
+            args["consolidation"] = self.consolidation
         return args
 
     def check_session_counts(self, open_sessions: int, owner_sessions: int) -> None:

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from retention.policy import CONSOLIDATION_MODES
+
 
 def _parse_value(raw: str) -> Any:
     try:
@@ -103,6 +105,7 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         max_frames_per_s=args.max_frames_per_s,
         frame_burst=args.frame_burst,
         retention_max_position=args.retention_max_position,
+        consolidation=args.consolidation,
         max_chunk_tokens=args.max_chunk_tokens,
         max_instructions_tokens=args.max_instructions_tokens,
         strict_budgets=args.strict_budgets,
@@ -151,6 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         type=_positive_int,
         default=None,
         help="consolidate bounded sessions before this RoPE position (default: trained range)",
+    )
+    serve.add_argument(
+        "--consolidation",
+        choices=CONSOLIDATION_MODES,
+        default=None,
+        help="how bounded sessions reset positions: rotate the window's cached keys in place "
+        "(no model step; 1D-RoPE models on CPU) or reprefill it (default: rotate where the "
+        "engine can, else reprefill)",
     )
     serve.add_argument(
         "--max-chunk-tokens",

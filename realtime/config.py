@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from retention.policy import CONSOLIDATION_MODES, ConsolidationMode
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -28,6 +30,10 @@ class ServerConfig:
     # RoPE positions reach this; None: the model's trained range. Lower it for a model that
     # degrades well inside its trained range.
     retention_max_position: int | None = None
+    # How bounded sessions consolidate: "rotate" (rotate the window's cached keys to 0..n-1 in
+    # place, no model step; 1D-RoPE models on the CPU build), "reprefill" (recompute the
+    # window); None: the engine's default (rotate where it can, else reprefill).
+    consolidation: ConsolidationMode | None = None
     # Most tokens of one chunk's text (a text turn, or a frame's prompt; the chat template
     # included) and of the instructions: admission reserves a bounded session's footprint from
     # them (realtime/admission.py), so they are enforced (chunk_too_large, invalid_request).
@@ -47,6 +53,11 @@ class ServerConfig:
     max_client_secret_ttl_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if self.consolidation is not None and self.consolidation not in CONSOLIDATION_MODES:
+            raise ValueError(
+                f"consolidation must be one of {', '.join(CONSOLIDATION_MODES)} or None, "
+                f"got {self.consolidation!r}"
+            )
         if self.retention_max_position is not None and self.retention_max_position < 1:
             raise ValueError(
                 f"retention_max_position must be >= 1, got {self.retention_max_position}"

@@ -131,10 +131,23 @@ samples is dropped by the next fold, so the context gains nothing from it."""
 CONSOLIDATE: Final = "consolidate"
 """The control chunk that consolidates a bounded session now, while it is idle."""
 
+ConsolidationMode: TypeAlias = Literal["rotate", "reprefill"]
+"""How a consolidation resets positions to ``0 .. n - 1``:
+
+* ``rotate``: the survivors' cached keys are rotated in place to their new positions (RoPE
+  attention depends on position differences only, so a key computed at ``p`` and rotated by
+  ``q - p`` is the key computed at ``q``). Costs a pass over the held keys, no model step; the
+  survivors keep the KV they were computed with, as between consolidations. 1D RoPE only.
+* ``reprefill``: every block is freed and the survivors are recomputed (self-preemption);
+  their KV then holds only what the window holds. Costs a prefill of the window.
+"""
+CONSOLIDATION_MODES: Final[tuple[ConsolidationMode, ...]] = get_args(ConsolidationMode)
+
 _INT_KEYS: Final = ("sink_tokens", "sink_chunks")
 _OPTIONAL_INT_KEYS: Final = ("window_chunks", "window_tokens", "max_position", "text_window_tokens")
 _RATIO_KEY: Final = "low_watermark_ratio"
-_REQUEST_KEYS: Final = (*_INT_KEYS, *_OPTIONAL_INT_KEYS, _RATIO_KEY)
+_MODE_KEY: Final = "consolidation"
+_REQUEST_KEYS: Final = (*_INT_KEYS, *_OPTIONAL_INT_KEYS, _RATIO_KEY, _MODE_KEY)
 
 
 def _is_int(value: object) -> bool:
@@ -211,6 +224,7 @@ class RetentionBudget:
     low_watermark_ratio: float = 0.75
     max_position: int | None = None
     text_window_tokens: int | None = None
+    consolidation: ConsolidationMode | None = None  # None: the engine's default
 
     def __post_init__(self) -> None:
         self.validate()
@@ -235,6 +249,11 @@ class RetentionBudget:
             raise ValueError(f"low_watermark_ratio must be in (0, 1], got {ratio!r}")
         if self.window_chunks is None and self.window_tokens is None:
             raise ValueError("a retention budget needs window_chunks or window_tokens (or both)")
+        if self.consolidation is not None and self.consolidation not in CONSOLIDATION_MODES:
+            raise ValueError(
+                f"consolidation must be one of {', '.join(CONSOLIDATION_MODES)} or None, "
+                f"got {self.consolidation!r}"
+            )
         if self.max_position is not None:
             needed = self.sink_tokens + (self.window_tokens or 0) + (self.text_window_tokens or 0)
             if needed > self.max_position:
@@ -269,6 +288,11 @@ class RetentionBudget:
                 if not isinstance(value, (int, float)) or isinstance(value, bool):
                     raise ValueError(f"{where} must be a number, got {type(value).__name__}")
                 value = float(value)
+            elif key == _MODE_KEY:
+                if value is not None and not isinstance(value, str):
+                    raise ValueError(
+                        f"{where} must be a string or null, got {type(value).__name__}"
+                    )
             else:
                 raise ValueError(
                     f"{REQUEST_ARGS_KEY}: unknown key {key!r} (allowed: {', '.join(_REQUEST_KEYS)})"
@@ -807,6 +831,23 @@ def consolidate(history: SessionHistory) -> SessionHistory:
         position_cursor=history.num_tokens,
         consolidations_total=history.consolidations_total + 1,
     )
+
+
+def rotation_runs(history: SessionHistory) -> tuple[tuple[int, int, int], ...]:
+    """What a consolidation by rotation must do to the cached keys: ``(start, end, delta)``
+    runs of cache indices whose tokens move from position ``index - delta`` to ``index``
+    (what :func:`consolidate` renumbers them to). Sorted, disjoint, ``delta != 0``; adjacent
+    runs with equal deltas are merged; tokens already at their index are left out."""
+    runs: list[tuple[int, int, int]] = []
+    for seg in history.segments:
+        delta = seg.start - seg.position_start
+        if delta == 0:
+            continue
+        if runs and runs[-1][1] == seg.start and runs[-1][2] == delta:
+            runs[-1] = (runs[-1][0], seg.end, delta)
+        else:
+            runs.append((seg.start, seg.end, delta))
+    return tuple(runs)
 
 
 def needs_consolidation(

@@ -12,11 +12,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from vllm.platforms import current_platform
 from vllm.v1.request import Request, StreamingUpdate
 
 from retention.policy import REQUEST_ARGS_KEY
 from retention.records import RETENTION_UNSUPPORTED, RetentionCounters
 from retention.vllm_adapter.eviction import RetentionConfigError, SessionRetention
+from retention.vllm_adapter.kv_rotation import rotation_supported
 from retention.vllm_adapter.scheduler import RetentionScheduler
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,10 @@ class BoundedSessionScheduler(RetentionScheduler):
             max_model_len=int(self.max_model_len),
             uses_mrope=self._uses_mrope,
             encoder_cache_manager=getattr(self, "encoder_cache_manager", None),
+            rotation_supported=current_platform.is_cpu()
+            and rotation_supported(
+                self.vllm_config.model_config, str(self.vllm_config.cache_config.cache_dtype)
+            ),
         )
 
     def add_request(self, request: Request) -> None:

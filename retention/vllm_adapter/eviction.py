@@ -87,9 +87,11 @@ from retention.policy import (
     CHUNK_HEAD_KEY,
     CHUNK_KIND_KEY,
     CONSOLIDATE,
+    CONSOLIDATION_MODES,
     CONTROL_KEY,
     REQUEST_ARGS_KEY,
     TEXT_KINDS,
+    ConsolidationMode,
     RetentionBudget,
     SegmentKind,
     SessionHistory,
@@ -100,14 +102,29 @@ from retention.policy import (
     idle_consolidation_due,
     needs_consolidation,
     reprefill_piece,
+    rotation_runs,
 )
 from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, with_offset_reset
-from retention.vllm_adapter.kv_range import evict_token_range_for_request
+from retention.vllm_adapter.kv_range import evict_token_range_for_request, is_hashed_block
 
 REPREFILL_PIECE_ENV: Final = "VLLM_REALTIME_REPREFILL_PIECE"
 """Tokens per step of a re-prefill (a power of two; 0: the whole re-prefill in one step)."""
 
 DEFAULT_REPREFILL_PIECE: Final = 128
+
+CONSOLIDATION_ENV: Final = "VLLM_REALTIME_CONSOLIDATION"
+"""The engine's consolidation mode for sessions whose budget names none: rotate (default) or
+reprefill. Rotation is used only where the worker can rotate (1D RoPE, CPU attention)."""
+
+DEFAULT_CONSOLIDATION: Final[ConsolidationMode] = "rotate"
+
+
+def consolidation_from_env() -> ConsolidationMode:
+    raw = os.environ.get(CONSOLIDATION_ENV, "").strip() or DEFAULT_CONSOLIDATION
+    for mode in CONSOLIDATION_MODES:
+        if raw == mode:
+            return mode
+    raise ValueError(f"{CONSOLIDATION_ENV} must be one of {', '.join(CONSOLIDATION_MODES)}")
 
 
 def reprefill_piece_from_env() -> int:
@@ -144,6 +161,11 @@ class SessionRetentionState:
     # computed, in steps of repeating sizes (`step_cap`).
     reprefill_end: int = 0
     idle_consolidations: int = 0
+    # How this session consolidates (its budget's mode, or the engine's; rotate only where the
+    # worker can), and how often a rotation fell back to a re-prefill (a block shared).
+    consolidation: ConsolidationMode = "reprefill"
+    rotations: int = 0
+    rotation_fallbacks: int = 0
 
 
 def budget_of(sampling_params: Any) -> RetentionBudget | None:
@@ -220,6 +242,8 @@ class SessionRetention:
         uses_mrope: bool = False,
         encoder_cache_manager: Any = None,
         reprefill_piece: int | None = None,
+        rotation_supported: bool = False,
+        default_consolidation: ConsolidationMode | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
@@ -235,6 +259,8 @@ class SessionRetention:
             raise RetentionConfigError(
                 f"{REPREFILL_PIECE_ENV} must be 0 or a power of two, got {piece}"
             )
+        self.rotation_supported = rotation_supported and not uses_mrope
+        self.default_consolidation = default_consolidation or consolidation_from_env()
         self.sessions: dict[str, SessionRetentionState] = {}
 
     # -- lifecycle
@@ -255,8 +281,13 @@ class SessionRetention:
             pending_kind=chunk_kind(request.sampling_params),
             pending_prompt=int(request.num_prompt_tokens),
             pending_head=0,
+            consolidation=self._mode_for(budget),
         )
         set_fold_control(request.sampling_params, FoldControl(fold=0, reset=True))
+
+    def _mode_for(self, budget: RetentionBudget) -> ConsolidationMode:
+        mode = budget.consolidation or self.default_consolidation
+        return mode if mode == "reprefill" or self.rotation_supported else "reprefill"
 
     def on_finished(self, request_id: str) -> None:
         self.sessions.pop(request_id, None)
@@ -327,13 +358,22 @@ class SessionRetention:
             )
             state.largest_incoming = max(state.largest_incoming, incoming)
         reset = False
+        rotations: tuple[tuple[int, int, int], ...] = ()
         if control or needs_consolidation(history, state.budget, incoming, state.max_position):
-            if self.uses_mrope:
-                history = self._drop_remnants(request, state, history)
-            history = consolidate(history)
-            self._reprefill(request)
-            state.reprefill_end = int(request.num_tokens)
-            reset = True
+            if state.consolidation == "rotate" and self._may_rotate(request, history):
+                # The worker rotates the survivors' keys to 0..n-1 before the next step.
+                rotations = rotation_runs(history)
+                history = consolidate(history)
+                state.rotations += 1
+            else:
+                if state.consolidation == "rotate":
+                    state.rotation_fallbacks += 1
+                if self.uses_mrope:
+                    history = self._drop_remnants(request, state, history)
+                history = consolidate(history)
+                self._reprefill(request)
+                state.reprefill_end = int(request.num_tokens)
+                reset = True
         state.history = history
         state.fold += 1
         set_fold_control(
@@ -345,9 +385,26 @@ class SessionRetention:
                 evicted=tuple(sorted(freed)),
                 reset=reset,
                 preemptions=state.preemptions,
+                rotations=rotations,
             ),
         )
         return self._does_not_fit(request, state, incoming)
+
+    def _may_rotate(self, request: Any, history: SessionHistory) -> bool:
+        """Rotating keys rewrites blocks in place: only blocks this request alone holds and no
+        prefix-cache entry points to (every block after an evicted range left the index when
+        it was evicted; one reached by another request's prefix hit is still shared)."""
+        runs = rotation_runs(history)
+        if not runs:
+            return True
+        bs = self.block_size
+        (manager,) = self.kv_cache_manager.coordinator.single_type_managers
+        blocks = manager.req_to_blocks[request.request_id]
+        for a, b, _ in runs:
+            for block in blocks[a // bs : (b - 1) // bs + 1]:
+                if block.ref_cnt != 1 or is_hashed_block(manager, block):
+                    return False
+        return True
 
     def _record(
         self, state: SessionRetentionState, history: SessionHistory, new_tokens: int
@@ -421,8 +478,8 @@ class SessionRetention:
         consolidate on its own path, so the session should consolidate now, while idle. Never
         on the boundary of a control chunk itself (at most one per answered chunk)."""
         state = self.sessions.get(request.request_id)
-        if state is None or state.control_fold:
-            return False
+        if state is None or state.control_fold or state.consolidation == "rotate":
+            return False  # a rotation costs no step: nothing to move off the chunk's path
         computed = int(request.num_computed_tokens)
         cursor = state.history.next_position() + max(0, computed - state.history.num_tokens)
         return idle_consolidation_due(cursor, state.largest_incoming, state.max_position)
@@ -563,6 +620,8 @@ class SessionRetention:
             "evictions": h.evictions_total,
             "consolidations": h.consolidations_total,
             "idle_consolidations": state.idle_consolidations,
+            "rotations": state.rotations,
+            "rotation_fallbacks": state.rotation_fallbacks,
             "preemptions": state.preemptions,
         }
 
@@ -576,6 +635,7 @@ class SessionRetention:
         return {
             **self.summary(request),
             "position_cursor": h.next_position(),
+            "consolidation": state.consolidation,
             "blocks_freed_total": state.blocks_freed_total,
             "fold": state.fold,
             "mm_items_held": len(request.mm_features or ()),

@@ -11,7 +11,10 @@ copy of the params. The record carries everything the worker needs and nothing e
   (``positions.py``);
 * ``held_before``, ``evicted``, ``reset``: the mRoPE position tensor's update (``mrope.py``);
 * ``preemptions``: how often the scheduler preempted the session so far; the worker counts the
-  resumes it saw (``preemption.py``).
+  resumes it saw (``preemption.py``);
+* ``rotations``: a consolidation by rotation (1D RoPE): ``(start, end, delta)`` runs of cache
+  indices (after this fold's eviction) whose cached keys move from position ``index - delta``
+  to ``index`` (``kv_rotation.py``), before the step that computes the folded chunk.
 
 Both sides check it. The scheduler builds only valid records (checked on construction); the
 worker refuses a record of another ``version``, a fold that is not the previous one + 1 (the
@@ -29,7 +32,7 @@ from typing import Any, Final
 from retention.vllm_adapter.heap_trim import trim_free_heap
 
 FOLD_CONTROL_KEY: Final = "vllm_realtime.fold_control"
-FOLD_CONTROL_VERSION: Final = 1
+FOLD_CONTROL_VERSION: Final = 2
 _FOLD_ATTR: Final = "_vllm_realtime_fold"
 _RESUMES_ATTR: Final = "_vllm_realtime_resumes"
 
@@ -49,10 +52,23 @@ class FoldControl:
     evicted: tuple[tuple[int, int], ...] = ()
     reset: bool = False
     preemptions: int = 0
+    rotations: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.fold < 0 or self.position_offset < 0 or self.preemptions < 0:
             raise FoldControlError(f"negative count in {self}")
+        last = 0
+        for a, b, delta in self.rotations:
+            if not last <= a < b or delta == 0 or a - delta < 0:
+                raise FoldControlError(
+                    f"rotation runs {self.rotations} are not sorted, disjoint, non-empty runs "
+                    "with a non-zero delta and non-negative old positions"
+                )
+            last = b
+        if self.rotations and (self.reset or self.position_offset):
+            raise FoldControlError(
+                f"{self}: a consolidation by rotation leaves the offset 0 and needs no re-prefill"
+            )
         end = 0
         for a, b in self.evicted:
             if not end <= a < b <= self.held_before:
@@ -72,6 +88,7 @@ class FoldControl:
             "evicted": [[a, b] for a, b in self.evicted],
             "reset": self.reset,
             "preemptions": self.preemptions,
+            "rotations": [[a, b, d] for a, b, d in self.rotations],
         }
 
     @classmethod
@@ -90,6 +107,7 @@ class FoldControl:
                 evicted=tuple((int(a), int(b)) for a, b in raw["evicted"]),
                 reset=bool(raw["reset"]),
                 preemptions=int(raw["preemptions"]),
+                rotations=tuple((int(a), int(b), int(d)) for a, b, d in raw["rotations"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FoldControlError(f"malformed fold control {dict(raw)!r}: {e}") from e

@@ -119,6 +119,7 @@ __all__ = [
     "free_token_range_in_all_groups",
     "freeze_prefix_caching",
     "freeze_request_prefix_caching",
+    "is_hashed_block",
     "is_prefix_caching_frozen",
 ]
 
@@ -213,7 +214,7 @@ def _validated_indices(
     return ordered
 
 
-def _is_hashed(manager: SingleTypeKVCacheManager, block: KVCacheBlock) -> bool:
+def is_hashed_block(manager: SingleTypeKVCacheManager, block: KVCacheBlock) -> bool:
     pool = manager.block_pool
     return block.block_hash is not None or block.block_id in pool.cached_block_hashes_by_block
 
@@ -251,7 +252,7 @@ def _free_validated(
     # 1. Drop the removed blocks and the request's later blocks from the prefix-cache index
     #    while the request still holds them (so the pool never sees a hashed ref_cnt == 0
     #    block that we are about to invalidate).
-    stale = {block.block_id for block in blocks[first:] if _is_hashed(manager, block)}
+    stale = {block.block_id for block in blocks[first:] if is_hashed_block(manager, block)}
     if stale:
         manager.block_pool.evict_blocks(stale)
     # 2. Compact the table in place (other views of this list stay in sync).

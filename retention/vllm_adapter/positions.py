@@ -13,7 +13,8 @@ sets at each chunk fold; vLLM sends a streaming continuation to the worker as a 
 its sampling params, so the worker always sees the current value. For 1D models the worker
 checks each new record once (`accept_fold`, after vLLM updated its request states); mRoPE models
 check it in `mrope.py`. Requests without the record (every request that did not ask for
-retention) add nothing. mRoPE models use their own position tensor
+retention) add nothing. A consolidation by rotation (``kv_rotation.py``) is applied here too,
+at the fold that carries it, before the step runs. mRoPE models use their own position tensor
 (handled separately) and are left untouched here.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from retention.vllm_adapter.fold_control import accept_fold, fold_control_of, position_offset_of
 from retention.vllm_adapter.import_hooks import patch_on_import
+from retention.vllm_adapter.kv_rotation import rotator_of
 
 _RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 _BLOCK_TABLE_MODULE = "vllm.v1.worker.block_table"
@@ -66,6 +68,9 @@ def _patch_runner(module: ModuleType) -> None:
                 control = fold_control_of(req_state.sampling_params)
                 if control is not None:
                     accept_fold(req_state, control)
+                    if control.rotations:
+                        # A consolidation by rotation: before this step computes the chunk.
+                        rotator_of(self).rotate(req_state.block_ids[0], control.rotations)
         return result
 
     runner_cls._prepare_inputs = _prepare_inputs

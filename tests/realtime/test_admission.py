@@ -268,6 +268,18 @@ def test_retention_args_carry_the_budget_and_the_server_position_limit() -> None
     }
     assert rules().retention_args(video(retention={"enabled": False})) is None
     assert rules().retention_args(None) is None
+    # The server's consolidation mode rides along; the engine parses it (RetentionBudget).
+    args = rules(consolidation="reprefill").retention_args(config)
+    assert args is not None and args["consolidation"] == "reprefill"
+    assert RetentionBudget.from_request_args(args).consolidation == "reprefill"
+
+
+def test_a_server_config_names_a_known_consolidation_mode() -> None:
+    from realtime.config import ServerConfig
+
+    assert ServerConfig(consolidation="rotate").consolidation == "rotate"
+    with pytest.raises(ValueError, match="consolidation must be one of"):
+        ServerConfig(consolidation="shift")  # type: ignore[arg-type]
 
 
 def test_session_limits_may_only_lower_the_server_caps() -> None:

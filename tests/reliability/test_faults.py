@@ -232,6 +232,7 @@ async def consolidating_server(smollm2_engine: object) -> AsyncIterator[RunningS
         model_name="smollm2-135m-instruct",
         max_sessions=4,
         retention_max_position=256,
+        consolidation="reprefill",  # the slow path: a re-prefill of the window
         max_chunk_tokens=128,
     ):
         yield s

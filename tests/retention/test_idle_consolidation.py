@@ -34,7 +34,14 @@ from tests.retention.test_text_retention import (
 
 pytestmark = pytest.mark.slow
 
-BUDGET = {"sink_chunks": 1, "window_chunks": 2, "low_watermark_ratio": 0.5, "max_position": 200}
+# Idle consolidation moves a re-prefill off the chunk's path; a rotation needs no idle time.
+BUDGET = {
+    "sink_chunks": 1,
+    "window_chunks": 2,
+    "low_watermark_ratio": 0.5,
+    "max_position": 200,
+    "consolidation": "reprefill",
+}
 
 
 class Recording:

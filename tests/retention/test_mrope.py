@@ -22,6 +22,7 @@ from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from retention.vllm_adapter.eviction import SessionRetention
 from retention.vllm_adapter.fold_control import (
     FOLD_CONTROL_KEY,
+    FOLD_CONTROL_VERSION,
     FoldControl,
     FoldControlError,
     fold_control_of,
@@ -126,7 +127,10 @@ def test_fold_control_round_trip_and_checks() -> None:
         FoldControl(fold=-1)
     # ... and the worker refuses one of another version, or a malformed one.
     raw = dict(params.extra_args[FOLD_CONTROL_KEY])
-    for bad in ({**raw, "version": 2}, {k: v for k, v in raw.items() if k != "version"}):
+    for bad in (
+        {**raw, "version": FOLD_CONTROL_VERSION + 1},
+        {k: v for k, v in raw.items() if k != "version"},
+    ):
         with pytest.raises(FoldControlError, match="version"):
             fold_control_of(SimpleNamespace(extra_args={FOLD_CONTROL_KEY: bad}))
     with pytest.raises(FoldControlError, match="malformed"):

@@ -22,6 +22,7 @@ from retention.policy import (
     plan_eviction,
     retained_chunks,
     retained_tokens,
+    rotation_runs,
 )
 from tests.strategies import Scenario, budgets, partial_frees, scenarios
 
@@ -602,6 +603,32 @@ def test_consolidation_numbers_positions_from_zero(sc: Scenario) -> None:
     assert all_positions(squashed) == list(range(sc.history.num_tokens))
     assert squashed.next_position() == sc.history.num_tokens
     assert spans(squashed) == spans(sc.history)
+
+
+@settings(max_examples=100, deadline=None)
+@given(scenarios())
+def test_rotation_runs_move_every_token_to_where_a_consolidation_puts_it(sc: Scenario) -> None:
+    runs = rotation_runs(sc.history)
+    positions = all_positions(sc.history)
+    for a, b, delta in runs:
+        assert delta != 0
+        for i in range(a, b):
+            positions[i] += delta
+    assert positions == all_positions(consolidate(sc.history))
+    assert all(b1 <= a2 for (_, b1, _), (a2, _, _) in itertools.pairwise(runs))
+    # Adjacent runs are merged when they move by the same amount.
+    assert all(b1 < a2 or d1 != d2 for (_, b1, d1), (a2, _, d2) in itertools.pairwise(runs))
+
+
+def test_a_budget_names_a_consolidation_mode_or_leaves_it_to_the_engine() -> None:
+    args = {"window_chunks": 4}
+    assert RetentionBudget.from_request_args(args).consolidation is None
+    budget = RetentionBudget.from_request_args({**args, "consolidation": "reprefill"})
+    assert budget.consolidation == "reprefill"
+    with pytest.raises(ValueError, match="consolidation must be one of rotate, reprefill"):
+        RetentionBudget.from_request_args({**args, "consolidation": "shift"})
+    with pytest.raises(ValueError, match="consolidation must be a string"):
+        RetentionBudget.from_request_args({**args, "consolidation": 1})
 
 
 @settings(max_examples=100, deadline=None)

@@ -186,7 +186,13 @@ async def test_eviction_matches_masked_dense_oracle_at_original_positions(
 async def test_consolidation_matches_fresh_prefill(
     smollm2_engine: Any, hf_model: Any, tokenizer: Any
 ) -> None:
-    budget = {"sink_chunks": 1, "window_chunks": 2, "low_watermark_ratio": 0.5, "max_position": 200}
+    budget = {
+        "sink_chunks": 1,
+        "window_chunks": 2,
+        "low_watermark_ratio": 0.5,
+        "max_position": 200,
+        "consolidation": "reprefill",
+    }
     session = Session(smollm2_engine, budget)
     consolidated_checked = 0
     try:
