@@ -18,6 +18,18 @@ same words given as text tokens, i.e. 1D positions, the upper bound):
   sumbg    object patches = " red" + " circles", background patches = the background's word
            (the "sum" and "mixed" stage-1 targets on a coloured background)
   objbgsum object patches = " red", background patches = the background's word + " circles"
+  mixed    objcol on white/black, objbgsum on a colour (the shipped "mixed" tower's targets);
+           mixed10, mixed01: the same with patches at least 10% (1%) covered counted as object
+           patches (vision_train.py --object-coverage); mixedc15 the colour word ×1.5;
+           mixedb05, mixed10b05 the background's word ×0.5
+  edge     only partly covered patches carry " circles", all others " red" (+ the background's
+           word off the shapes, on a colour)
+  swap     object patches " circles", all others " red" (no background word)
+  count    objcol with " two" added to the shape word
+
+`--noise 0.3` adds Gaussian noise of 0.3 × the embeddings' standard deviation to every image
+token (the shipped tower's residual is ~0.26 of it), to see which layout survives an imprecise
+tower.
 
 `--background green` draws the cases on a coloured background; the kind `describe` ("Describe
 the image.") counts a reply that names the background's colour (what Chromium's green fake
@@ -81,17 +93,66 @@ def layout(name: str, spec: FrameSpec, w: Words) -> tuple[Any, list[int] | None]
     if name == "phrase":
         ids = w.ids(f" {n} {c} {s}")
         return cycle([w.emb[i] for i in ids]), ids
+    _img, mask = draw_frame(spec, random.Random(f"{c} {s} {n}"), size=(112, 112))
+    cov = coverage(mask, 8, 8).tolist()
     if name in ("content", "objcol", "sumbg", "objbgsum"):
-        _img, mask = draw_frame(spec, random.Random(f"{c} {s} {n}"), size=(112, 112))
-        cov = coverage(mask, 8, 8)
         obj, bg = {
             "content": (w.one(c) + w.one(s), w.one(spec.background)),
             "objcol": (w.one(c), w.one(s)),
             "sumbg": (w.one(c) + w.one(spec.shape), w.one(spec.background)),
             "objbgsum": (w.one(c), w.one(spec.background) + w.one(s)),
         }[name]
-        return torch.stack([obj if x >= 0.3 else bg for x in cov.tolist()]), None
+        return torch.stack([obj if x >= 0.3 else bg for x in cov]), None
+    if name in EXPERIMENTS:
+        return torch.stack(EXPERIMENTS[name](spec, w, cov)), None
     raise ValueError(name)
+
+
+def _edge(spec: FrameSpec, w: Words, cov: list[float]) -> list[Any]:
+    """Only the shapes' edge patches (partly covered) carry the shape word; all others the
+    colour word (plus the background's word on a coloured background)."""
+    c, s = w.one(spec.colour), w.one(plural(spec.shape, spec.count))
+    bg = c + w.one(spec.background) if spec.background not in ("white", "black") else c
+    return [s if 0.0 < x < 0.3 else (c if x >= 0.3 else bg) for x in cov]
+
+
+def _swap(spec: FrameSpec, w: Words, cov: list[float]) -> list[Any]:
+    """Object patches carry the shape word, all others the colour word."""
+    c, s = w.one(spec.colour), w.one(plural(spec.shape, spec.count))
+    return [s if x >= 0.3 else c for x in cov]
+
+
+def _objcol_at(threshold: float, colour: float = 1.0, bgword: float = 1.0) -> Any:
+    """objcol (mixed on a coloured background) with another object threshold, the colour word
+    scaled and the background's word scaled."""
+
+    def f(spec: FrameSpec, w: Words, cov: list[float]) -> list[Any]:
+        c, s = colour * w.one(spec.colour), w.one(plural(spec.shape, spec.count))
+        if spec.background not in ("white", "black"):
+            s = s + bgword * w.one(spec.background)
+        return [c if x >= threshold else s for x in cov]
+
+    return f
+
+
+def _count(spec: FrameSpec, w: Words, cov: list[float]) -> list[Any]:
+    """objcol with the count word added to the shape word (" two" + " circles")."""
+    c = w.one(spec.colour)
+    s = w.one(plural(spec.shape, spec.count)) + w.one(COUNT_WORDS[spec.count])
+    return [c if x >= 0.3 else s for x in cov]
+
+
+EXPERIMENTS: dict[str, Any] = {
+    "edge": _edge,
+    "swap": _swap,
+    "mixed": _objcol_at(0.3),
+    "mixed10": _objcol_at(0.1),
+    "mixed01": _objcol_at(0.01),
+    "mixedc15": _objcol_at(0.3, colour=1.5),
+    "mixedb05": _objcol_at(0.3, bgword=0.5),
+    "mixed10b05": _objcol_at(0.1, bgword=0.5),
+    "count": _count,
+}
 
 
 def stub_tower() -> Any:
@@ -126,6 +187,7 @@ def run(
     counts: list[int],
     kinds: list[str],
     background: str = "white",
+    noise: float = 0.0,
 ) -> Any:
     import torch
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
@@ -175,6 +237,12 @@ def run(
                 kw["image_grid_thw"] = torch.tensor([grid] * len(specs))
                 kw["pixel_values"] = torch.zeros(len(specs) * N_TOKENS * 4, 1176)
                 stub.out = torch.cat(vecs)
+                if noise:
+                    # What an imprecise tower emits: Gaussian noise, `noise` × the embeddings'
+                    # standard deviation per dimension (the shipped tower: ~0.26).
+                    gen = torch.Generator().manual_seed(len(rows))
+                    jitter = torch.randn(stub.out.shape, generator=gen)
+                    stub.out = stub.out + noise * float(emb.std()) * jitter
             with torch.no_grad():
                 out = model.generate(
                     **enc, **kw, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1
@@ -223,6 +291,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--background", default="white")
+    ap.add_argument("--noise", type=float, default=0.0, help="× the embeddings' std, per dim")
     args = ap.parse_args()
     path = args.model or model_dir("smol-qwen2-vl")
     res = run(
@@ -232,6 +301,7 @@ def main() -> None:
         [int(x) for x in args.counts.split(",")],
         args.kinds.split(","),
         args.background,
+        args.noise,
     )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

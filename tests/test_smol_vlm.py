@@ -100,7 +100,7 @@ async def test_synthetic_frames_colour_is_named(smol_vlm_engine) -> None:  # typ
     from realtime.models.synth_frames import COLOURS, SHAPES
 
     # One large shape per frame on white or black, every colour twice. The model is below the
-    # issue's target (docs/vlm.md: 71% of colours named on plain backgrounds), so this is a
+    # issue's target (docs/vlm.md: 89% of colours named on plain backgrounds), so this is a
     # floor that catches a broken tower or processor (random weights name ~1 in 6), not the goal.
     rng = random.Random(7)
     specs = [
@@ -120,9 +120,8 @@ async def test_synthetic_frames_colour_is_named(smol_vlm_engine) -> None:  # typ
 async def test_fake_camera_frame_colour_is_green(smol_vlm_engine) -> None:  # type: ignore[no-untyped-def]
     from bench.vlm_accuracy import QUESTIONS, prompt_for
 
-    # Asked its colour, Chromium's fake camera is green. (Asked "Describe the image.", the
-    # "mixed" tower's model talks of squares and no longer names green: docs/vlm.md, fourth
-    # round. The earlier "sum" tower named green there but chance-level shapes.)
+    # Asked its colour, Chromium's fake camera is green: the tower puts the background's word on
+    # the patches off the shapes (docs/vlm.md, fourth and fifth rounds).
     reply = await _generate(smol_vlm_engine, prompt_for(pacman_frame(), QUESTIONS["colour"]), 24)
     assert "green" in reply.text.lower(), reply.text
 
@@ -221,3 +220,25 @@ def test_mixed_targets_add_the_background_word_only_on_a_coloured_background() -
     assert plain.tolist() == [emb[2].tolist(), emb[0].tolist()]
     green = targets.for_frame(FrameSpec("red", "circle", 2, "green"), cov)
     assert green.tolist() == [(emb[4] + emb[2]).tolist(), emb[0].tolist()]
+
+
+def test_object_coverage_sets_which_patches_carry_the_colour_word() -> None:
+    # --object-coverage (docs/vlm.md, fifth round): with 0.1 a patch 20% covered by the shapes
+    # carries the colour word; with the default 0.3 it carries the shape word.
+    import torch
+
+    from realtime.models.vision_train import OBJECT_COVERAGE, Targets
+
+    vocab = {" red": 0, " circle": 1, " circles": 2}
+
+    class Tok:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [vocab[text]]
+
+    emb = torch.eye(3)
+    cov = torch.tensor([0.0, 0.05, 0.2, 0.5])
+    spec = FrameSpec("red", "circle", 1, "white")
+    default = Targets(emb, Tok(), layout="mixed").for_frame(spec, cov)
+    assert OBJECT_COVERAGE == 0.3 and default.argmax(-1).tolist() == [1, 1, 1, 0]
+    low = Targets(emb, Tok(), layout="mixed", object_coverage=0.1).for_frame(spec, cov)
+    assert low.argmax(-1).tolist() == [1, 1, 0, 0]

@@ -60,10 +60,16 @@ class Targets:
     """Per-merged-patch target embeddings for a frame (see the module docstring)."""
 
     def __init__(
-        self, emb: Any, tok: Any, codes: dict[str, Any] | None = None, layout: str = "sum"
+        self,
+        emb: Any,
+        tok: Any,
+        codes: dict[str, Any] | None = None,
+        layout: str = "sum",
+        object_coverage: float = OBJECT_COVERAGE,
     ) -> None:
         assert layout in LAYOUTS, layout
         self.emb, self.tok, self.codes, self.layout = emb, tok, codes, layout
+        self.object_coverage = object_coverage
 
     def candidates(self) -> tuple[list[tuple[str, ...]], Any]:
         """Every vector a patch target can be, with the words it sums: single colour and shape
@@ -100,18 +106,18 @@ class Targets:
             # (plural when there are several): single words, not sums (docs/vlm.md, third round).
             colour = self.word(spec.colour)
             shape = self.word(spec.shape + ("s" if spec.count > 1 else ""))
-            return torch.stack([colour if c >= OBJECT_COVERAGE else shape for c in coverage])
+            return torch.stack([colour if c >= self.object_coverage else shape for c in coverage])
         if self.layout == "mixed":
             colour = self.word(spec.colour)
             other = self.word(spec.background) + self.word(
                 spec.shape + ("s" if spec.count > 1 else "")
             )
-            return torch.stack([colour if c >= OBJECT_COVERAGE else other for c in coverage])
+            return torch.stack([colour if c >= self.object_coverage else other for c in coverage])
         fact = self.word(spec.colour) + self.word(spec.shape)
         if neutral:
             return fact.expand(len(coverage), -1).clone()
         bg = self.word(spec.background)
-        return torch.stack([fact if c >= OBJECT_COVERAGE else bg for c in coverage.tolist()])
+        return torch.stack([fact if c >= self.object_coverage else bg for c in coverage.tolist()])
 
 
 def processor() -> Any:
@@ -362,6 +368,9 @@ def train(
     layout: str = "sum",
     workers: int = 0,
     ce_weight: float = 0.0,
+    object_coverage: float = OBJECT_COVERAGE,
+    resume: Path | None = None,
+    lr: float = 2e-3,
 ) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file, save_file
@@ -371,12 +380,13 @@ def train(
     torch.manual_seed(seed)
     emb, tok = word_embeddings(smollm2_dir)
     t0 = time.perf_counter()
-    targets = Targets(emb, tok, layout=layout)
+    targets = Targets(emb, tok, layout=layout, object_coverage=object_coverage)
     data = make_dataset(n_train, seed, targets, workers)
     info: dict[str, Any] = {"data_s": time.perf_counter() - t0}
     weights = None
-    if init is not None:
-        weights = {k: v.to(torch.float32) for k, v in load_file(str(init)).items()}
+    if init is not None or resume is not None:
+        start = init if init is not None else resume
+        weights = {k: v.to(torch.float32) for k, v in load_file(str(start)).items()}
     model = vision_model(weights)
     model.train()
     t1 = time.perf_counter()
@@ -390,6 +400,7 @@ def train(
             seed=seed + 1,
             candidates=targets.candidates()[1],
             ce_weight=ce_weight,
+            lr=lr,
         )
     info["stage1_s"] = time.perf_counter() - t1
     t2 = time.perf_counter()
@@ -409,6 +420,9 @@ def train(
         "seed": str(seed),
         "layout": layout,
         "ce_weight": str(ce_weight),
+        "object_coverage": str(object_coverage),
+        "resumed_from": resume.name if resume is not None else "",
+        "lr": str(lr),
     }
     save_file(state, str(out), metadata=meta)
     info["params"] = sum(p.numel() for p in model.parameters())
@@ -538,6 +552,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=4000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--init", type=Path, help="skip stage 1: start from these weights")
+    ap.add_argument("--resume", type=Path, help="run stage 1 on from these weights")
     ap.add_argument("--codes", type=Path, help="fit the reading codes (vision_codes.py)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--workers", type=int, default=0)
@@ -545,6 +560,12 @@ def main() -> None:
     ap.add_argument("--layout", choices=LAYOUTS, default="sum", help="stage 1 target layout")
     ap.add_argument(
         "--ce-weight", type=float, default=0.0, help="stage 1 nearest-target cross-entropy weight"
+    )
+    ap.add_argument(
+        "--object-coverage",
+        type=float,
+        default=OBJECT_COVERAGE,
+        help="a merged patch at least this much covered by shapes gets the object's word",
     )
     args = ap.parse_args()
     if args.codes is not None:
@@ -575,6 +596,9 @@ def main() -> None:
         layout=args.layout,
         workers=args.workers,
         ce_weight=args.ce_weight,
+        object_coverage=args.object_coverage,
+        resume=args.resume,
+        lr=args.lr,
     )
     print(json.dumps(info))
 
