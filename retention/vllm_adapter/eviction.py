@@ -360,9 +360,10 @@ class SessionRetention:
         reset = False
         rotations: tuple[tuple[int, int, int], ...] = ()
         if control or needs_consolidation(history, state.budget, incoming, state.max_position):
-            if state.consolidation == "rotate" and self._may_rotate(request, history):
+            runs = rotation_runs(history) if state.consolidation == "rotate" else ()
+            if state.consolidation == "rotate" and self._may_rotate(request, runs):
                 # The worker rotates the survivors' keys to 0..n-1 before the next step.
-                rotations = rotation_runs(history)
+                rotations = runs
                 history = consolidate(history)
                 state.rotations += 1
             else:
@@ -390,11 +391,10 @@ class SessionRetention:
         )
         return self._does_not_fit(request, state, incoming)
 
-    def _may_rotate(self, request: Any, history: SessionHistory) -> bool:
+    def _may_rotate(self, request: Any, runs: tuple[tuple[int, int, int], ...]) -> bool:
         """Rotating keys rewrites blocks in place: only blocks this request alone holds and no
         prefix-cache entry points to (every block after an evicted range left the index when
         it was evicted; one reached by another request's prefix hit is still shared)."""
-        runs = rotation_runs(history)
         if not runs:
             return True
         bs = self.block_size
