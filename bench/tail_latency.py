@@ -103,7 +103,12 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     heap: dict[str, Any] = {}
     heap_at_tenth: dict[str, Any] = {}
     started = time.perf_counter()
+    front_gc: list[tuple[float, float, int]] = []
+    timeline: dict[str, Any] = {}
     try:
+        if args.timeline:
+            await heap_stats(engine, "timeline_start")
+            _watch_gc(front_gc)
         es = EngineSession(
             engine,
             f"tail-{mode}-{uuid.uuid4().hex[:8]}",
@@ -141,6 +146,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             idle_before = es.idle_consolidations
             waited = es.consolidating
             t0 = time.perf_counter()
+            wall0 = time.time()
             finished: ChunkFinished | None = None
             async for item in es.run_chunk(prompt, params):
                 if isinstance(item, ChunkFinished):
@@ -164,6 +170,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
                 {
                     "i": i,
                     "latency_ms": round(latency, 2),
+                    "wall": (wall0, time.time()),
+                    "ttft_ms": finished.ttft_ms,
                     "prompt_tokens": finished.prompt_tokens,
                     "inline_consolidation": inline > 0,
                     "waited_for_idle_consolidation": waited,
@@ -178,6 +186,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             if i % args.rss_every == 0 or i == frames - 1:
                 workers = await worker_stats(engine)
                 rss.append((i, int(workers[0]["rss_bytes"])))
+        if args.timeline:
+            timeline = await _read_timeline(engine, front_gc)
         stats = await heap_stats(engine, "read")
         steps = {
             "distinct_since_first_tenth": stats["workers"][0].get("distinct_step_sizes"),
@@ -204,6 +214,11 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     held_frames = [
         (r["tokens_in_context"] - first_tokens) / frame_tokens for r in records[args.window + 2 :]
     ]
+    explained = _explain(records, timeline, over) if timeline else None
+    if args.records is not None:
+        with args.records.open("a") as out:
+            for r in records:
+                out.write(json.dumps({"model": model, "mode": mode} | r) + "\n")
     return {
         "model": model,
         "mode": mode,
@@ -243,6 +258,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
                 [r["i"], r["latency_ms"], r["inline_consolidation"]] for r in over[: args.list_slow]
             ],
         },
+        "timeline": explained,
         "latency_on_inline_consolidation_ms": quantiles(
             [r["latency_ms"] for r in records if r["inline_consolidation"]] or [0.0, 0.0]
         ),
@@ -267,6 +283,106 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             "kv_blocks_max": max(r["kv_blocks"] for r in records),
         },
     }
+
+
+def _watch_gc(into: list[tuple[float, float, int]]) -> None:
+    """Garbage collections over 2 ms in this (the front-end) process: (wall start, s, gen)."""
+    import gc
+
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.time()
+        elif (took := time.time() - started[0]) > 0.002:
+            into.append((started[0], took, int(info.get("generation", -1))))
+
+    gc.callbacks.append(on_gc)
+
+
+async def _read_timeline(engine: Any, front_gc: list[tuple[float, float, int]]) -> dict[str, Any]:
+    from retention.vllm_adapter.diagnostics import heap_stats
+
+    stats = await heap_stats(engine, "timeline_read")
+    by_pid: dict[int, dict[str, Any]] = {}
+    for proc in [stats["engine_core"], *stats["workers"]]:
+        if proc.get("timeline"):
+            by_pid[proc["pid"]] = proc["timeline"]  # one process when the worker is in-core
+    steps = sorted(s for t in by_pid.values() for s in t["steps"])
+    engine_gc = sorted(g for t in by_pid.values() for g in t["gc"])
+    return {"steps": steps, "engine_gc": engine_gc, "front_gc": sorted(front_gc)}
+
+
+def _explain(
+    records: list[dict[str, Any]], timeline: dict[str, Any], over: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Per frame: the model steps that started inside it (count, seconds, tokens) and the
+    garbage collections that overlapped it; the rest of its latency is outside model steps
+    (scheduling, IPC, the front end). Summaries for all frames and for the slow ones."""
+    import bisect
+
+    steps = timeline["steps"]
+    starts = [s[0] for s in steps]
+
+    def overlapping(events: list[tuple[float, float, int]], a: float, b: float) -> float:
+        return sum(min(b, s + d) - max(a, s) for s, d, _ in events if s < b and s + d > a)
+
+    for r in records:
+        a, b = r["wall"]
+        inside = steps[bisect.bisect_left(starts, a) : bisect.bisect_left(starts, b)]
+        r["steps"] = len(inside)
+        r["step_ms"] = round(sum(d for _, d, _ in inside) * 1e3, 2)
+        r["max_step_ms"] = round(max((d for _, d, _ in inside), default=0.0) * 1e3, 2)
+        r["step_tokens"] = [n for _, _, n in inside]
+        r["outside_steps_ms"] = round(r["latency_ms"] - r["step_ms"], 2)
+        r["engine_gc_ms"] = round(overlapping(timeline["engine_gc"], a, b) * 1e3, 2)
+        r["front_gc_ms"] = round(overlapping(timeline["front_gc"], a, b) * 1e3, 2)
+
+    def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            key: quantiles([float(r[key]) for r in rows] or [0.0])
+            for key in ("step_ms", "max_step_ms", "outside_steps_ms", "engine_gc_ms", "front_gc_ms")
+        } | {"steps": quantiles([float(r["steps"]) for r in rows] or [0.0])}
+
+    slow_ids = {r["i"] for r in over}
+    return {
+        "all_frames": summary(records),
+        "slow_frames": summary([r for r in records if r["i"] in slow_ids]),
+        "slow": [
+            {
+                k: r[k]
+                for k in (
+                    "i",
+                    "latency_ms",
+                    "ttft_ms",
+                    "steps",
+                    "step_ms",
+                    "max_step_ms",
+                    "step_tokens",
+                    "outside_steps_ms",
+                    "engine_gc_ms",
+                    "front_gc_ms",
+                )
+            }
+            for r in records
+            if r["i"] in slow_ids
+        ],
+        # Model step time by step size (tokens): does the time vary with the size, or at one size?
+        "step_ms_by_tokens": {
+            str(n): {"count": len(d)} | quantiles(d)
+            for n, d in sorted(_by_tokens(steps).items())
+            if len(d) >= 5
+        },
+        "engine_gc_count": len(timeline["engine_gc"]),
+        "front_gc_count": len(timeline["front_gc"]),
+    }
+
+
+def _by_tokens(steps: list[tuple[float, float, int]]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for _, seconds, tokens in steps:
+        out.setdefault(tokens, []).append(seconds * 1e3)
+    return out
 
 
 def _heap_summary(stats: dict[str, Any]) -> dict[str, Any]:
@@ -302,6 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-every", type=int, default=25)
     parser.add_argument("--list-slow", type=int, default=40)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--records", type=Path, default=None, help="per-frame records (JSON lines)")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="time every model step and garbage collection; explain the slow frames by them",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

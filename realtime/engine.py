@@ -42,6 +42,20 @@ def prepare_process_env() -> None:
         # "auto" binds the worker to core 0 and reserves the others; on small machines that
         # starves the server. nobind lets the OS schedule.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
+            os.environ.setdefault("OMP_NUM_THREADS", str(cpu_worker_threads()))
+
+
+def cpu_worker_threads() -> int:
+    """OpenMP threads for the CPU worker: one core fewer than this process may use. With a
+    thread on every core, the front end's and EngineCore's own threads preempt one, and every
+    OpenMP barrier of the model step waits for it: on 2 cores a frame's steps then vary 2-4x
+    (docs/benchmarks.md, "Worker threads"). An operator's OMP_NUM_THREADS is kept."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count() or 1
+    return max(1, usable - 1)
 
 
 @dataclass(frozen=True)

@@ -72,11 +72,47 @@ def _count_step_sizes(runner: Any) -> None:
     runner.execute_model = execute_model
 
 
+def _start_timeline(runner: Any) -> None:
+    """Record each model step (wall start, seconds, tokens) and each garbage collection over
+    2 ms (wall start, seconds, generation) of this process, to explain slow frames."""
+    import gc
+    import time
+    from collections import deque
+
+    if "timeline" in _DIAGNOSTICS:
+        return
+    steps: deque[tuple[float, float, int]] = deque(maxlen=50_000)
+    collections: deque[tuple[float, float, int]] = deque(maxlen=10_000)
+    _DIAGNOSTICS["timeline"] = {"steps": steps, "gc": collections}
+    if runner is not None:
+        original = runner.execute_model
+
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.time()
+            try:
+                return original(scheduler_output, *args, **kwargs)
+            finally:
+                tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+                steps.append((start, time.time() - start, tokens))
+
+        runner.execute_model = execute_model
+    gc_started: list[float] = [0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_started[0] = time.time()
+        elif (took := time.time() - gc_started[0]) > 0.002:
+            collections.append((gc_started[0], took, int(info.get("generation", -1))))
+
+    gc.callbacks.append(on_gc)
+
+
 def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, Any]:
     """Memory diagnostics of this process (EngineCore or a worker), for bench/soak.py.
 
     "read": RSS, malloc accounting, live Python objects. "types": also the most common object
-    types. "steps_start" (worker): from now on, count the distinct step sizes. "trace_start":
+    types. "timeline_start" / "timeline_read": model steps and garbage collections with their
+    wall-clock times (`_start_timeline`). "steps_start" (worker): from now on, count the distinct step sizes. "trace_start":
     start tracemalloc and keep a baseline (slows allocation: diagnostic runs only).
     "trace_top": the allocation sites grown most since the baseline.
     """
@@ -84,10 +120,14 @@ def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, A
     import tracemalloc
     from collections import Counter
 
-    out: dict[str, Any] = {"rss_bytes": _rss_bytes(), "malloc": malloc_info()}
+    out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "malloc": malloc_info()}
     runner = getattr(_owner, "model_runner", None)
     if action == "steps_start" and runner is not None and "step_sizes" not in _DIAGNOSTICS:
         _count_step_sizes(runner)
+    if action == "timeline_start":
+        _start_timeline(runner)
+    elif action == "timeline_read" and "timeline" in _DIAGNOSTICS:
+        out["timeline"] = {k: list(v) for k, v in _DIAGNOSTICS["timeline"].items()}
     if "step_sizes" in _DIAGNOSTICS:
         out["distinct_step_sizes"] = len(_DIAGNOSTICS["step_sizes"])
     objects = gc.get_objects()
