@@ -65,7 +65,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     from protocol import SamplingConfig, SessionConfig
     from realtime.engine import EngineSettings, start_engine
     from realtime.engine_session import ChunkFinished, EngineSession, chat_format_of, render_chunk
-    from retention.vllm_adapter.diagnostics import DIAGNOSTICS_ENV, heap_stats
+    from retention.vllm_adapter.diagnostics import DIAGNOSTICS_ENV, heap_stats, watch_gc
     from retention.vllm_adapter.eviction import REPREFILL_PIECE_ENV
     from retention.vllm_adapter.introspect import retention_state, worker_stats
 
@@ -108,7 +108,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     try:
         if args.timeline:
             await heap_stats(engine, "timeline_start")
-            _watch_gc(front_gc)
+            watch_gc(front_gc)
         es = EngineSession(
             engine,
             f"tail-{mode}-{uuid.uuid4().hex[:8]}",
@@ -283,21 +283,6 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             "kv_blocks_max": max(r["kv_blocks"] for r in records),
         },
     }
-
-
-def _watch_gc(into: list[tuple[float, float, int]]) -> None:
-    """Garbage collections over 2 ms in this (the front-end) process: (wall start, s, gen)."""
-    import gc
-
-    started = [0.0]
-
-    def on_gc(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            started[0] = time.time()
-        elif (took := time.time() - started[0]) > 0.002:
-            into.append((started[0], took, int(info.get("generation", -1))))
-
-    gc.callbacks.append(on_gc)
 
 
 async def _read_timeline(engine: Any, front_gc: list[tuple[float, float, int]]) -> dict[str, Any]:

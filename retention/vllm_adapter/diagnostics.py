@@ -75,7 +75,6 @@ def _count_step_sizes(runner: Any) -> None:
 def _start_timeline(runner: Any) -> None:
     """Record each model step (wall start, seconds, tokens) and each garbage collection over
     2 ms (wall start, seconds, generation) of this process, to explain slow frames."""
-    import gc
     import time
     from collections import deque
 
@@ -96,13 +95,22 @@ def _start_timeline(runner: Any) -> None:
                 steps.append((start, time.time() - start, tokens))
 
         runner.execute_model = execute_model
-    gc_started: list[float] = [0.0]
+    watch_gc(collections)
+
+
+def watch_gc(into: Any) -> None:
+    """Append each garbage collection over 2 ms of this process to `into`: (wall start,
+    seconds, generation)."""
+    import gc
+    import time
+
+    started = [0.0]
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            gc_started[0] = time.time()
-        elif (took := time.time() - gc_started[0]) > 0.002:
-            collections.append((gc_started[0], took, int(info.get("generation", -1))))
+            started[0] = time.time()
+        elif (took := time.time() - started[0]) > 0.002:
+            into.append((started[0], took, int(info.get("generation", -1))))
 
     gc.callbacks.append(on_gc)
 
