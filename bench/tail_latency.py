@@ -268,6 +268,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             "slope_mb_per_1k_frames": round(
                 slope([float(i) for i, _ in warm], [b / 2**20 for _, b in warm]) * 1000, 3
             ),
+            # The trajectory: tells steady growth from a few steps (new sizes, arena growth).
+            "samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss],
         },
         "worker_step_sizes": steps,
         "worker_heap": heap,
