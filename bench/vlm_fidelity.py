@@ -1,11 +1,18 @@
 """Video fidelity of one bounded session through the real server, on `smol-qwen2-vl`.
 
 One WebSocket session (sink 1 chunk, window `--window` chunks) receives `--frames` synthetic JPEG
-frames, each with the prompt "What colour is it?", and the server answers every frame.
+frames. Every `--ask-every`-th frame (and every marker frame) carries the prompt "What colour is
+it?" and is answered; the others are ingested (`reply: false`), as a watching client sends them.
 
+* **Sink** (`--sink`): `instructions` (default) opens with an ingested text turn, so the pinned
+  chunk holds the instructions only; `frame` pins the first frame and its reply. A small LM
+  copies a pinned reply into every later one (measured: "The colour is blue." for frame 1 was
+  repeated by most later frames), so the default keeps replies out of the sink.
 * **Current-frame accuracy**: the reply names the colour of the frame it answers. Compared over
-  frames 1–100 and 901–1000: after hundreds of evictions and consolidations the model must read
-  the current frame as well as at the start.
+  the first and the last 100 frames, and paired: the last 100 frames replay the first 100
+  (same specs, same pixels, same asked/ingested pattern), so the difference measures what 900
+  frames of evictions and consolidations changed, not which frames were drawn (unpaired, two
+  samples of 100 differ by ~7 points by chance alone).
 * **Recall inside vs outside the window**: every `--probe-every` frames a *marker* frame shows a
   purple shape (no other frame is purple), and a few chunks later a text turn asks which colours
   the model has seen (the question names none). A probe is *near* (marker 2 chunks back: inside
@@ -36,6 +43,7 @@ MODEL = "smol-qwen2-vl"
 MARKER = "purple"
 FILLER_COLOURS = [c for c in COLOURS if c != MARKER]
 PROBE = "Which colours have you seen so far?"
+SINK_TEXT = "Pictures follow, one at a time."
 
 
 def _jpeg(img: Any) -> str:
@@ -44,11 +52,18 @@ def _jpeg(img: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+PAIRED = 100  # the last PAIRED frames replay the first PAIRED
+
+
 def schedule(frames: int, window: int, probe_every: int) -> list[tuple[str, Any]]:
-    """The session's chunks: ("frame", spec) or ("probe", "near"|"far"), deterministic."""
+    """The session's chunks: ("frame", (n, spec, pixel seed)) or ("probe", "near"|"far"),
+    deterministic. With `frames` >= 2 * PAIRED, frame n of the last PAIRED replays frame
+    n - (frames - PAIRED): same spec, same pixel seed (markers included)."""
     rng = random.Random(7)
     far_gap = window + 8
+    replay_from = frames - PAIRED if frames >= 2 * PAIRED else frames
     chunks: list[tuple[str, Any]] = []
+    drawn: list[tuple[FrameSpec, int]] = []
     markers: dict[int, str] = {}  # chunk index of the probe -> near/far
     n_frames = 0
     probe_no = 0
@@ -63,12 +78,17 @@ def schedule(frames: int, window: int, probe_every: int) -> list[tuple[str, Any]
             rng.randint(1, 3),
             rng.choice(["white", "black"]),
         )
-        if n_frames >= 20 and n_frames % probe_every == 0:
+        seed = rng.randrange(1 << 30)
+        if n_frames >= replay_from:
+            spec, seed = drawn[n_frames - replay_from]
+        elif n_frames >= 20 and n_frames % probe_every == 0:
+            spec = FrameSpec(MARKER, spec.shape, spec.count, spec.background)
+        if spec.colour == MARKER:
             kind = "near" if probe_no % 2 == 0 else "far"
             probe_no += 1
-            spec = FrameSpec(MARKER, spec.shape, spec.count, spec.background)
             markers[idx + (2 if kind == "near" else far_gap)] = kind
-        chunks.append(("frame", spec))
+        drawn.append((spec, seed))
+        chunks.append(("frame", (n_frames, spec, seed)))
         n_frames += 1
     return chunks
 
@@ -82,7 +102,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_bytes=64 << 20,
         extra={"limit_mm_per_prompt": {"image": 1, "video": 1}},
     )
-    rng = random.Random(11)
     chunks = schedule(args.frames, args.window, args.probe_every)
     frame_rows: list[dict[str, Any]] = []
     probe_rows: list[dict[str, Any]] = []
@@ -106,25 +125,37 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         opened = json.loads(await ws.recv())
         assert opened["type"] == "session.opened", opened
+        if args.sink == "instructions":
+            await ws.send(json.dumps({"type": "frame.append", "text": SINK_TEXT, "reply": False}))
+            done = (await _recv_until(ws, "response.done"))[-1]
+            assert done["status"] == "ingested", done
         for n, (kind, what) in enumerate(chunks, start=1):
+            asked = True
             if kind == "frame":
-                img, _ = draw_frame(what, rng, (320, 240))
-                event = {"type": "frame.append", "image": _jpeg(img), "prompt": QUESTIONS["colour"]}
+                n_frame, spec, seed = what
+                img, _ = draw_frame(spec, random.Random(seed), (320, 240))
+                asked = spec.colour == MARKER or n_frame % args.ask_every == 0
+                event = {"type": "frame.append", "image": _jpeg(img)}
+                if asked:
+                    event["prompt"] = QUESTIONS["colour"]
+                else:
+                    event["reply"] = False
             else:
                 event = {"type": "frame.append", "text": PROBE}
             await ws.send(json.dumps(event))
             seen = await _recv_until(ws, "response.done")
             done = seen[-1]
-            if done["status"] not in ("completed", "incomplete"):
+            if done["status"] not in ("completed", "incomplete", "ingested"):
                 raise RuntimeError(f"chunk {n}: {done} {[e for e in seen if e['type'] == 'error']}")
-            text = done["text"].lower()
+            text = (done.get("text") or "").lower()
             if kind == "frame":
                 frame_rows.append(
                     {
-                        "frame": len(frame_rows) + 1,
-                        "colour": what.colour,
-                        "right": what.colour in text,
-                        "reply": done["text"],
+                        "frame": n_frame + 1,
+                        "asked": asked,
+                        "colour": spec.colour,
+                        "right": spec.colour in text,
+                        "reply": done.get("text"),
                         "evicted": done["retention"]["frames_evicted"],
                         "consolidations": done["retention"]["consolidations"],
                         "kv_blocks": done["retention"]["kv_blocks_held"],
@@ -132,7 +163,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
             else:
                 probe_rows.append(
-                    {"chunk": n, "kind": what, "right": MARKER in text, "reply": done["text"]}
+                    {
+                        "chunk": n,
+                        "kind": what,
+                        "asked": True,
+                        "right": MARKER in text,
+                        "reply": done["text"],
+                    }
                 )
             if n % 100 == 0:
                 print(
@@ -141,9 +178,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
 
     def acc(rows: list[dict[str, Any]]) -> float:
+        rows = [r for r in rows if r["asked"]]
         return sum(r["right"] for r in rows) / max(1, len(rows))
 
-    first, last = frame_rows[:100], frame_rows[-100:]
+    first, last = frame_rows[:PAIRED], frame_rows[-PAIRED:]
+    paired = len(frame_rows) >= 2 * PAIRED
+    same_reply = sum(
+        a["reply"] == b["reply"] for a, b in zip(first, last, strict=True) if a["asked"]
+    )
     near = [p for p in probe_rows if p["kind"] == "near"]
     far = [p for p in probe_rows if p["kind"] == "far"]
     return {
@@ -151,6 +193,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "frames": len(frame_rows),
         "window_chunks": args.window,
         "sink_chunks": 1,
+        "sink": args.sink,
+        "ask_every": args.ask_every,
         "frame_prompt": QUESTIONS["colour"],
         "probe": PROBE,
         "current_frame_accuracy": {
@@ -158,6 +202,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "last_100": acc(last),
             "all": acc(frame_rows),
             "difference_points": 100 * (acc(last) - acc(first)),
+            "paired": paired,
+            "asked_per_100": sum(r["asked"] for r in first),
+            "same_reply_first_vs_last": same_reply if paired else None,
         },
         "recall": {
             "near_probes": len(near),
@@ -170,7 +217,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv_blocks_at_end": frame_rows[-1]["kv_blocks"],
         "seconds": time.perf_counter() - t0,
         "probes": probe_rows,
-        "frames_sample": frame_rows[:5] + frame_rows[-5:],
+        "frames_sample": frame_rows[:10] + frame_rows[-10:],
     }
 
 
@@ -180,6 +227,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--probe-every", type=int, default=25)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--sink", choices=["instructions", "frame"], default="instructions")
+    ap.add_argument("--ask-every", type=int, default=1, help="answer every k-th frame")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     report = asyncio.run(run(args))

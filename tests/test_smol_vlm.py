@@ -242,3 +242,19 @@ def test_object_coverage_sets_which_patches_carry_the_colour_word() -> None:
     assert OBJECT_COVERAGE == 0.3 and default.argmax(-1).tolist() == [1, 1, 1, 0]
     low = Targets(emb, Tok(), layout="mixed", object_coverage=0.1).for_frame(spec, cov)
     assert low.argmax(-1).tolist() == [1, 1, 0, 0]
+
+
+def test_fidelity_schedule_replays_the_first_frames_at_the_end() -> None:
+    from bench.vlm_fidelity import MARKER, PAIRED, schedule
+
+    chunks = schedule(300, window=8, probe_every=25)
+    frames = [what for kind, what in chunks if kind == "frame"]
+    assert [n for n, _, _ in frames] == list(range(300))
+    first, last = frames[:PAIRED], frames[-PAIRED:]
+    assert [(s, seed) for _, s, seed in first] == [(s, seed) for _, s, seed in last]
+    assert any(s.colour == MARKER for _, s, _ in first)  # markers (and their probes) replay too
+    probes = [what for kind, what in chunks if kind == "probe"]
+    assert {"near", "far"} <= set(probes)
+    # Too short to pair: no replay.
+    short = [what for kind, what in schedule(150, window=8, probe_every=25) if kind == "frame"]
+    assert [(s, seed) for _, s, seed in short[:50]] != [(s, seed) for _, s, seed in short[-50:]]
