@@ -99,6 +99,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     consolidation_s: list[float] = []
     seen_idle = 0
     rss: list[tuple[int, int]] = []
+    rss_anon: list[tuple[int, int]] = []  # anonymous pages only (file-backed pages excluded)
     steps: dict[str, Any] = {}
     heap: dict[str, Any] = {}
     heap_at_tenth: dict[str, Any] = {}
@@ -186,6 +187,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             if i % args.rss_every == 0 or i == frames - 1:
                 workers = await worker_stats(engine)
                 rss.append((i, int(workers[0]["rss_bytes"])))
+                split = workers[0].get("rss_split_bytes") or {}
+                rss_anon.append((i, int(split.get("anon", 0))))
         if args.timeline:
             timeline = await _read_timeline(engine, front_gc)
         stats = await heap_stats(engine, "read")
@@ -268,8 +271,18 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             "slope_mb_per_1k_frames": round(
                 slope([float(i) for i, _ in warm], [b / 2**20 for _, b in warm]) * 1000, 3
             ),
+            # Anonymous memory only: file-backed pages (code first touched late) are not a leak.
+            "anon_slope_mb_per_1k_frames": round(
+                slope(
+                    [float(i) for i, _ in rss_anon if i >= frames // 10],
+                    [b / 2**20 for i, b in rss_anon if i >= frames // 10],
+                )
+                * 1000,
+                3,
+            ),
             # The trajectory: tells steady growth from a few steps (new sizes, arena growth).
             "samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss],
+            "anon_samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss_anon],
         },
         "worker_step_sizes": steps,
         "worker_heap": heap,

@@ -66,6 +66,21 @@ def _rss_bytes() -> int | None:
         return None
 
 
+def _rss_split() -> dict[str, int]:
+    """RSS by kind (bytes): "anon" (heaps, mmapped allocations) and "file" (pages of mapped
+    files: libraries, weights), which grows as rarely used code is first touched and is not a
+    leak. Empty where /proc is missing."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:")):
+                    out[line[3:7].lower()] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return {}
+    return out
+
+
 WORKER_STATS_METHOD = "vllm_realtime_worker_stats"
 
 
@@ -78,6 +93,7 @@ def _worker_stats(worker: Any) -> dict[str, Any]:
     }
     return {
         "rss_bytes": _rss_bytes(),
+        "rss_split_bytes": _rss_split(),
         "encoder_cache_entries": len(runner.encoder_cache),
         "num_requests": len(runner.requests),
         "mrope_columns_by_request": mrope_columns,

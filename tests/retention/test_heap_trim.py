@@ -19,3 +19,15 @@ def test_trim_runs_at_most_once_per_interval(monkeypatch: pytest.MonkeyPatch) ->
 def test_without_glibc_nothing_is_trimmed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(heap_trim, "_STATE", {"trim": None})
     assert not heap_trim.trim_free_heap(now=1e9)
+
+
+def test_rss_split_tells_anonymous_from_file_backed_pages() -> None:
+    from retention.vllm_adapter.introspect import _rss_bytes, _rss_split
+
+    split = _rss_split()
+    if not split:
+        pytest.skip("no /proc/self/status here")
+    assert set(split) == {"anon", "file"}
+    total = _rss_bytes()
+    assert total is not None
+    assert 0 < split["anon"] <= total and 0 < split["file"] <= total
