@@ -103,6 +103,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     steps: dict[str, Any] = {}
     heap: dict[str, Any] = {}
     heap_at_tenth: dict[str, Any] = {}
+    trace_top: Any = None
     started = time.perf_counter()
     front_gc: list[tuple[float, float, int]] = []
     timeline: dict[str, Any] = {}
@@ -184,6 +185,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             )
             if i == frames // 10:
                 heap_at_tenth = (await heap_stats(engine, "steps_start"))["workers"][0]
+                if args.trace:
+                    await heap_stats(engine, "trace_start")
             if i % args.rss_every == 0 or i == frames - 1:
                 workers = await worker_stats(engine)
                 rss.append((i, int(workers[0]["rss_bytes"])))
@@ -191,7 +194,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
                 rss_anon.append((i, int(split.get("anon", 0))))
         if args.timeline:
             timeline = await _read_timeline(engine, front_gc)
-        stats = await heap_stats(engine, "read")
+        stats = await heap_stats(engine, "trace_top" if args.trace else "read")
         steps = {
             "distinct_since_first_tenth": stats["workers"][0].get("distinct_step_sizes"),
         }
@@ -201,6 +204,9 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             "at_first_tenth": _heap_summary(heap_at_tenth),
             "at_end": _heap_summary(stats["workers"][0]),
         }
+        trace_top = stats["workers"][0].get("trace_top")
+        if trace_top is not None:
+            trace_top = {"traced_bytes": stats["workers"][0].get("traced_bytes"), "top": trace_top}
         idle_total = es.idle_consolidations
         idle_skipped = es.idle_consolidations_skipped
         final = await retention_state(engine, es.request_id) or {}
@@ -282,6 +288,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         },
         "worker_step_sizes": steps,
         "worker_heap": heap,
+        # --trace: Python allocation sites grown most since the first tenth (tracemalloc).
+        "worker_trace_top": trace_top,
         "retained": {
             "window_chunks": args.window,
             "sink_chunks": 1,
@@ -419,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
         "--timeline",
         action="store_true",
         help="time every model step and garbage collection; explain the slow frames by them",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="tracemalloc in the worker from the first tenth on (slows it: finds leaks, not tails)",
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

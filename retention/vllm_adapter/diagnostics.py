@@ -9,6 +9,7 @@ place in a serving engine.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Final
 
 from retention.vllm_adapter.heap_trim import libc_function
@@ -153,13 +154,24 @@ def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, A
         out["traced_bytes"] = tracemalloc.get_traced_memory()[0]
         out["trace_top"] = [
             {
-                "stack": [str(f) for f in d.traceback],  # outermost frame first
+                "stack": [_short_frame(f) for f in d.traceback],  # outermost frame first
                 "size_diff": d.size_diff,
                 "count_diff": d.count_diff,
             }
             for d in diffs[:top]
         ]
     return out
+
+
+def _short_frame(frame: Any) -> str:
+    """``file:line`` with the file relative to its package root (no machine paths in reports)."""
+    import re
+
+    name = str(frame.filename)
+    short = re.sub(r"^.*/(site-packages|lib/python3\.\d+)/", "", name)
+    if short == name:
+        short = name.removeprefix(str(Path(__file__).resolve().parents[2]) + "/")
+    return f"{short}:{frame.lineno}"
 
 
 def install_diagnostics() -> None:

@@ -31,3 +31,16 @@ def test_rss_split_tells_anonymous_from_file_backed_pages() -> None:
     total = _rss_bytes()
     assert total is not None
     assert 0 < split["anon"] <= total and 0 < split["file"] <= total
+
+
+def test_traced_allocation_sites_carry_no_machine_paths() -> None:
+    from retention.vllm_adapter.diagnostics import _short_frame
+
+    class Frame:
+        def __init__(self, filename: str, lineno: int) -> None:
+            self.filename, self.lineno = filename, lineno
+
+    assert _short_frame(Frame("/x/venv/lib/python3.11/site-packages/vllm/a.py", 3)) == "vllm/a.py:3"
+    assert _short_frame(Frame("/opt/py/lib/python3.11/pickle.py", 9)) == "pickle.py:9"
+    root = __import__("pathlib").Path(heap_trim.__file__).resolve().parents[2]
+    assert _short_frame(Frame(f"{root}/retention/x.py", 1)) == "retention/x.py:1"
