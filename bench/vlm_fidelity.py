@@ -100,6 +100,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         MODEL,
         max_model_len=1024,
         kv_cache_memory_bytes=64 << 20,
+        block_size=args.block_size,
         extra={"limit_mm_per_prompt": {"image": 1, "video": 1}},
     )
     chunks = schedule(args.frames, args.window, args.probe_every)
@@ -192,6 +193,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": MODEL,
         "frames": len(frame_rows),
         "window_chunks": args.window,
+        "block_size": args.block_size,
         "sink_chunks": 1,
         "sink": args.sink,
         "ask_every": args.ask_every,
@@ -228,6 +230,9 @@ def main() -> None:
     ap.add_argument("--probe-every", type=int, default=25)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--sink", choices=["instructions", "frame"], default="instructions")
+    ap.add_argument(
+        "--block-size", type=int, default=32, help="KV block size: eviction frees whole blocks"
+    )
     ap.add_argument("--ask-every", type=int, default=1, help="answer every k-th frame")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
