@@ -44,11 +44,6 @@ def prepare_process_env() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
             os.environ.setdefault("OMP_NUM_THREADS", str(cpu_worker_threads()))
-        # One malloc arena in the engine processes (read by glibc when they start): the worker's
-        # slow anonymous creep lives in per-thread arenas, which glibc trims only from their top.
-        # Measured on a 1,500-frame bounded text session: RSS slope 0.494 -> 0.200 MiB per 1k
-        # frames, latency unchanged (docs/benchmarks.md, "Where the worker's memory goes").
-        os.environ.setdefault("MALLOC_ARENA_MAX", "1")
 
 
 def cpu_worker_threads() -> int:
