@@ -14,6 +14,24 @@ AT_FRAMES = (10, 100, 1000)
 WINDOW = 10  # "at frame k" = the WINDOW frames ending at frame k (1-based)
 
 
+def emit_json(doc: dict[str, Any], path: Path | None) -> None:
+    """Print a benchmark's JSON document, and write it to `path` when one is given."""
+    import json
+
+    text = json.dumps(doc, indent=1)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    print(text)
+
+
+def trace_summary(worker: dict[str, Any]) -> dict[str, Any] | None:
+    """The tracemalloc part of a worker's `heap_stats` ("trace_top"), or None without one."""
+    if worker.get("trace_top") is None:
+        return None
+    return {"traced_bytes": worker.get("traced_bytes"), "top": worker["trace_top"]}
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolation percentile (numpy's default); None for no values."""
     xs = sorted(v for v in values if v is not None)

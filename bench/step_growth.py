@@ -14,34 +14,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.soak import slope
+from bench.report import emit_json, trace_summary
+from bench.soak import _engine_settings, slope
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    from realtime.engine import EngineSettings, start_engine
+    from realtime.engine import start_engine
     from retention.vllm_adapter.diagnostics import DIAGNOSTICS_ENV, heap_stats
     from retention.vllm_adapter.introspect import worker_stats
 
     os.environ[DIAGNOSTICS_ENV] = "1"
-    engine = start_engine(
-        EngineSettings(
-            model="smollm2-135m-instruct",
-            max_model_len=1024,
-            kv_cache_memory_bytes=48 << 20,
-            block_size=32,
-            max_num_seqs=4,
-            dtype="float32",
-        )
-    )
+    # The settings of bench.tail_latency's text runs.
+    engine = start_engine(_engine_settings("smollm2-135m-instruct", max_num_seqs=4))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     samples: list[tuple[int, float]] = []
     trace: Any = None
@@ -56,8 +48,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 worker = (await worker_stats(engine))[0]
                 samples.append((i, worker["rss_split_bytes"]["anon"] / 2**20))
         if args.trace:
-            top = (await heap_stats(engine, "trace_top"))["workers"][0]
-            trace = {"traced_bytes": top.get("traced_bytes"), "top": top.get("trace_top")}
+            trace = trace_summary((await heap_stats(engine, "trace_top"))["workers"][0])
     finally:
         engine.shutdown()
     warm = [(i, mb) for i, mb in samples if i >= args.requests // 10]
@@ -86,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     doc = asyncio.run(run(args))
     doc["command"] = "python -m bench.step_growth " + " ".join(argv or sys.argv[1:])
-    text = json.dumps(doc, indent=1)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    print(text)
+    emit_json(doc, args.json)
     return 0
 
 

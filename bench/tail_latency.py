@@ -40,6 +40,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.report import emit_json, trace_summary
 from bench.soak import slope
 
 TEXT_MODEL = "smollm2-135m-instruct"
@@ -204,9 +205,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             "at_first_tenth": _heap_summary(heap_at_tenth),
             "at_end": _heap_summary(stats["workers"][0]),
         }
-        trace_top = stats["workers"][0].get("trace_top")
-        if trace_top is not None:
-            trace_top = {"traced_bytes": stats["workers"][0].get("traced_bytes"), "top": trace_top}
+        trace_top = trace_summary(stats["workers"][0])
         idle_total = es.idle_consolidations
         idle_skipped = es.idle_consolidations_skipped
         final = await retention_state(engine, es.request_id) or {}
@@ -449,11 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "runs": runs,
     }
-    text = json.dumps(doc, indent=1)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    print(text)
+    emit_json(doc, args.json)
     return 0
 
 
