@@ -258,3 +258,59 @@ def test_fidelity_schedule_replays_the_first_frames_at_the_end() -> None:
     # Too short to pair: no replay.
     short = [what for kind, what in schedule(150, window=8, probe_every=25) if kind == "frame"]
     assert [(s, seed) for _, s, seed in short[:50]] != [(s, seed) for _, s, seed in short[-50:]]
+
+
+def _fake_codes_data() -> dict[str, object]:
+    """Token ids of the prompt pieces, made up: build_chats needs only their shapes."""
+    from realtime.models import vision_codes as vc
+
+    kinds = list(vc.QUESTIONS)
+    return {
+        "heads": [[100], [101, 102]],
+        "user": [110, 111],
+        "intro": [120, 121, 122],
+        "user_close": [130, 131],
+        "newline": [131],
+        "questions": {k: [[200 + i, 2, 198]] for i, k in enumerate(kinds)},
+        "answers": {
+            k: {vc._key(s): [300 + i, 400 + len(s.colour), 2] for s in vc.all_specs()}
+            for i, k in enumerate(kinds)
+        },
+    }
+
+
+def test_multi_frame_chats_carry_one_vector_per_image_and_every_reply() -> None:
+    """Codes tuned on several frames per chat (the fix for replies copied across frames): each
+    image's slots get its own frame's vector, the replies are where the loss looks, and the
+    mRoPE positions advance past each image."""
+    import torch
+
+    from realtime.models import vision_codes as vc
+
+    d = _fake_codes_data()
+    chats = vc.build_chats(d, random.Random(3), 6, frames=4)
+    for c in chats:
+        ntok = c.grid[0] * c.grid[1] // 4
+        assert c.ids.count(vc.IMAGE_PAD) == 4 * ntok and len(c.specs) == 4
+        assert 1 <= len(c.replies) <= 4 and c.replies[-1][1] == len(c.ids)  # last frame asked
+        for start, end, kind in c.replies:
+            assert (
+                c.ids[start:end] == d["answers"][kind][vc._key(c.specs[vc._image_before(c, start)])]
+            )  # type: ignore[index]
+        t_axis = vc.positions(c.ids, c.grid)[0]
+        assert t_axis == sorted(t_axis) and len(t_axis) == len(c.ids)
+
+    class Emb:  # the slice of TextModel that embed_chats reads
+        emb = torch.zeros(1000, 4)
+        device, dtype = "cpu", torch.float32
+
+    vecs = torch.arange(24, dtype=torch.float32)[:, None].expand(24, 4)
+    x = vc.embed_chats(Emb(), chats, vecs, 0.0, None)  # type: ignore[arg-type]
+    for b, c in enumerate(chats):
+        slots = [j for j, t in enumerate(c.ids) if t == vc.IMAGE_PAD]
+        ntok = len(slots) // 4
+        for j, slot in enumerate(slots):
+            assert x[b, slot, 0] == 4 * b + j // ntok
+        assert x[b, 0].abs().sum() == 0  # text slots keep their (here zero) embeddings
+    evals = vc.build_chats(d, random.Random(3), 6, frames=4, last_answer=False)
+    assert all(c.replies[-1][0] == c.replies[-1][1] == len(c.ids) for c in evals)

@@ -30,6 +30,7 @@ import itertools
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,11 @@ def prepare(model_dir: Path) -> dict[str, Any]:
     return {
         "heads": heads,
         "user": user,
+        # Multi-frame chats (`Batcher.build_chats`), as the server renders a session: the
+        # fidelity bench's opening text turn, an ingested frame's close, a reply's close.
+        "intro": ids("<|im_start|>user\nPictures follow, one at a time.<|im_end|>\n"),
+        "user_close": ids("<|im_end|>\n"),
+        "newline": ids("\n"),
         "questions": questions,
         "answers": answers,
         "words": {a: {w: v[0] for w, v in ws.items()} for a, ws in words.items()},
@@ -343,6 +349,97 @@ class Batcher:
         return seqs, starts, specs, kinds, grids
 
 
+@dataclass(frozen=True)
+class Chat:
+    """One multi-frame chat as the server renders a watching session: frames one user turn
+    each, most of them asked and answered, some only ingested."""
+
+    ids: list[int]
+    specs: list[FrameSpec]  # one per image, in order
+    replies: list[tuple[int, int, str]]  # (start, end, kind) of each answered frame's reply
+    grid: tuple[int, int]
+
+
+def build_chats(
+    d: dict[str, Any], rng: random.Random, n: int, frames: int, last_answer: bool = True
+) -> list[Chat]:
+    """`n` chats of `frames` frames. Why: a small LM given several frames copies its earlier
+    replies (docs/vlm.md, video fidelity); codes tuned on such chats are read against that pull.
+    Half the chats ask one question of every frame (as `bench/vlm_fidelity.py` and the webcam
+    page do: the strongest pull to copy), half a random one per frame. The last frame is always
+    asked; `last_answer` False leaves its reply out (greedy evaluation)."""
+    chats = []
+    for _ in range(n):
+        grid = rng.choice(GRIDS)
+        ntok = grid[0] * grid[1] // 4
+        ids = list(rng.choice(d["heads"])) + (list(d["intro"]) if rng.random() < 0.5 else [])
+        fixed = rng.choice(list(QUESTIONS)) if rng.random() < 0.5 else None
+        specs, replies = [], []
+        for i in range(frames):
+            s = random_spec(rng)
+            specs.append(s)
+            last = i == frames - 1
+            ids += d["user"] + [VISION_START] + [IMAGE_PAD] * ntok + [VISION_END]
+            if not last and rng.random() < 0.3:  # ingested: a closed user turn, no reply
+                ids += d["user_close"]
+                continue
+            kind = fixed or rng.choice(list(QUESTIONS))
+            ids += rng.choice(d["questions"][kind])
+            if last and not last_answer:
+                replies.append((len(ids), len(ids), kind))
+                break
+            start = len(ids)
+            ids += d["answers"][kind][_key(s)]
+            replies.append((start, len(ids), kind))
+            if not last:
+                ids += d["newline"]  # the reply's turn closes with "<|im_end|>\n"
+        chats.append(Chat(ids, specs, replies, grid))
+    return chats
+
+
+def embed_chats(lm: TextModel, chats: list[Chat], vecs: Any, noise: float, gen: Any) -> Any:
+    """Input embeddings of `chats` (right-padded): each image's slots carry its own frame
+    vector (`vecs`, one row per image, chats in order) + noise."""
+    import torch
+
+    width = max(len(c.ids) for c in chats)
+    ids = torch.tensor([c.ids + [0] * (width - len(c.ids)) for c in chats], device=lm.device)
+    image_of = torch.full(ids.shape, -1, dtype=torch.long)
+    first = 0
+    for b, c in enumerate(chats):
+        ntok = c.grid[0] * c.grid[1] // 4
+        slots = [j for j, t in enumerate(c.ids) if t == IMAGE_PAD]
+        for j, slot in enumerate(slots):
+            image_of[b, slot] = first + j // ntok
+        first += len(c.specs)
+    image_of = image_of.to(lm.device)
+    x = lm.emb[ids].clone()
+    v = vecs.to(lm.dtype)[image_of.clamp(min=0)]
+    if noise:
+        v = v + noise * torch.randn(v.shape, generator=gen, device=v.device).to(lm.dtype)
+    return torch.where((image_of >= 0)[..., None], v, x)
+
+
+def chat_loss(
+    lm: TextModel, codes: dict[str, Any], chats: list[Chat], noise: float, gen: Any
+) -> Any:
+    """Cross-entropy of every answered frame's reply, teacher-forced."""
+    import torch
+
+    vecs = frame_vectors(codes, [s for c in chats for s in c.specs])
+    x = embed_chats(lm, chats, vecs, noise, gen)
+    h = lm.hidden(x, batch_positions([c.ids for c in chats], [c.grid for c in chats], lm.device))
+    rows, cols, ys = [], [], []
+    for b, c in enumerate(chats):
+        for start, end, _kind in c.replies:
+            for j in range(start, end):
+                rows.append(b)
+                cols.append(j - 1)
+                ys.append(c.ids[j])
+    logits = h[rows, cols].float() @ lm.emb.float().T
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(ys, device=lm.device))
+
+
 def frame_vectors(codes: dict[str, Any], specs: list[FrameSpec]) -> Any:
     import torch
 
@@ -400,7 +497,11 @@ def tune(
     seed: int,
     device: str,
     n_eval: int = 400,
+    frames: int = 1,
+    init: Path | None = None,
 ) -> dict[str, Any]:
+    """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every reply
+    in the loss. `init`: start from these codes (a single-frame tuning) instead of the words."""
     import torch
 
     torch.manual_seed(seed)
@@ -409,13 +510,17 @@ def tune(
     lm = TextModel.load(data, device, dtype)
     scale = float(lm.emb.float().norm(dim=-1).mean())
     words = d["words"]
-    codes = {
-        a: torch.nn.Parameter(
-            torch.stack([lm.emb[words[a][w]].float() for w in ws])
+    if init is not None:
+        from safetensors.torch import load_file
+
+        start = {a: c.to(device) for a, c in load_file(str(init)).items()}
+    else:
+        start = {
+            a: torch.stack([lm.emb[words[a][w]].float() for w in ws])
             * (1.0 if a in ("colour", "shape") else 0.5)
-        )
-        for a, ws in ATTRIBUTES.items()
-    }
+            for a, ws in ATTRIBUTES.items()
+        }
+    codes = {a: torch.nn.Parameter(start[a].clone()) for a in ATTRIBUTES}
     opt = torch.optim.Adam(codes.values(), lr=lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     rng = random.Random(seed)
@@ -424,18 +529,11 @@ def tune(
     log = []
     t0 = time.perf_counter()
     for step in range(steps):
-        seqs, starts, specs, _k, grids = bat.build(rng, batch)
-        vecs = frame_vectors(codes, specs)
-        x, _ids = embed(lm, seqs, vecs, noise * scale / 24.0, gen)
-        h = lm.hidden(x, batch_positions(seqs, grids, device))
-        rows, cols, ys = [], [], []
-        for b, (s, st) in enumerate(zip(seqs, starts, strict=True)):
-            for j in range(st, len(s)):
-                rows.append(b)
-                cols.append(j - 1)
-                ys.append(s[j])
-        logits = h[rows, cols].float() @ lm.emb.float().T
-        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(ys, device=device))
+        if frames > 1:
+            chats = build_chats(d, rng, batch, rng.randint(1, frames))
+            loss = chat_loss(lm, codes, chats, noise * scale / 24.0, gen)
+        else:
+            loss = single_frame_loss(lm, codes, bat.build(rng, batch), noise * scale / 24.0, gen)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -454,12 +552,108 @@ def tune(
         torch.save(final, out.with_suffix(".pt"))
     else:
         save_file(final, str(out), metadata={"steps": str(steps), "seed": str(seed)})
-    return {
+    info: dict[str, Any] = {
         "loss": log,
         "seconds": time.perf_counter() - t0,
         "scale": scale,
         "eval": evaluate(lm, d, final, device, noise=noise * scale / 24.0, n=n_eval),
     }
+    if frames > 1:
+        info["eval_chats"] = {
+            k: evaluate_chats(lm, d, final, frames=k, n=n_eval // 2) for k in (1, frames)
+        }
+    return info
+
+
+def single_frame_loss(
+    lm: TextModel, codes: dict[str, Any], batch: tuple[Any, ...], noise: float, gen: Any
+) -> Any:
+    import torch
+
+    seqs, starts, specs, _k, grids = batch
+    x, _ids = embed(lm, seqs, frame_vectors(codes, specs), noise, gen)
+    h = lm.hidden(x, batch_positions(seqs, grids, lm.device))
+    rows, cols, ys = [], [], []
+    for b, (s, st) in enumerate(zip(seqs, starts, strict=True)):
+        for j in range(st, len(s)):
+            rows.append(b)
+            cols.append(j - 1)
+            ys.append(s[j])
+    logits = h[rows, cols].float() @ lm.emb.float().T
+    return torch.nn.functional.cross_entropy(logits, torch.tensor(ys, device=lm.device))
+
+
+def evaluate_chats(
+    lm: TextModel,
+    d: dict[str, Any],
+    codes: dict[str, Any],
+    *,
+    frames: int,
+    n: int = 200,
+    new_tokens: int = 8,
+    batch: int = 25,
+) -> dict[str, Any]:
+    """Greedy reply to the last frame of `frames`-frame chats (earlier replies teacher-forced,
+    exact codes): is the asked fact of THAT frame named? Chats with one question asked of every
+    frame ("same") and with a random one per frame ("mixed") are scored apart; "copied" counts
+    replies that name the previous answered frame's fact instead, where it differs."""
+    import torch
+
+    id_to_word = {int(i): w for i, w in d["names"].items()}
+    rng = random.Random(4321)
+    hits: dict[str, list[int]] = {}
+    copied = 0
+    dev_codes = {a: c.to(lm.device) for a, c in codes.items()}
+    for first in range(0, n, batch):
+        chats = build_chats(d, rng, min(batch, n - first), frames, last_answer=False)
+        vecs = frame_vectors(dev_codes, [s for c in chats for s in c.specs])
+        cur = [Chat(list(c.ids), c.specs, c.replies, c.grid) for c in chats]
+        out: list[list[int]] = [[] for _ in chats]
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                x = embed_chats(lm, cur, vecs, 0.0, None)
+                h = lm.hidden(
+                    x, batch_positions([c.ids for c in cur], [c.grid for c in cur], lm.device)
+                )
+                last = h[torch.arange(len(cur)), torch.tensor([len(c.ids) - 1 for c in cur])]
+                for i, t in enumerate((last.float() @ lm.emb.float().T).argmax(-1).tolist()):
+                    cur[i].ids.append(t)
+                    out[i].append(t)
+        for c, r in zip(chats, out, strict=True):
+            kind = c.replies[-1][2]
+            words = {id_to_word.get(t) for t in r}
+            fact = _fact(kind, c.specs[-1])
+            same = len({k for _s, _e, k in c.replies}) == 1 and len(c.replies) > 1
+            hits.setdefault("same" if same else "mixed", []).append(int(fact in words))
+            if len(c.replies) > 1:
+                prev = c.specs[_answered_before_last(c)]
+                if _fact(kind, prev) != fact and _fact(kind, prev) in words:
+                    copied += 1
+    return {k: round(sum(v) / len(v), 3) for k, v in hits.items()} | {
+        "n": n,
+        "copied_previous": copied,
+    }
+
+
+def _fact(kind: str, s: FrameSpec) -> str:
+    return {
+        "colour": s.colour,
+        "shape": s.shape,
+        "count": COUNT_WORDS[s.count],
+        "background": s.background,
+        "describe": s.colour,
+    }[kind]
+
+
+def _image_before(c: Chat, at: int) -> int:
+    """Index (into c.specs) of the last image before token `at`: the frame a reply answers."""
+    image_starts = [j for j, t in enumerate(c.ids) if t == VISION_START]
+    return max(i for i, j in enumerate(image_starts) if j < at)
+
+
+def _answered_before_last(c: Chat) -> int:
+    """Index (into c.specs) of the last answered frame before the last one."""
+    return _image_before(c, c.replies[-2][0])
 
 
 def evaluate(
@@ -496,14 +690,7 @@ def evaluate(
         hit: dict[str, list[int]] = {}
         for s, k, r in zip(specs, kinds, replies, strict=True):
             words = {id_to_word.get(t) for t in r}
-            want = {
-                "colour": s.colour,
-                "shape": s.shape,
-                "count": COUNT_WORDS[s.count],
-                "background": s.background,
-                "describe": s.colour,
-            }[k]
-            hit.setdefault(k, []).append(int(want in words))
+            hit.setdefault(k, []).append(int(_fact(k, s) in words))
         out[label] = {k: sum(v) / len(v) for k, v in hit.items()}
         out[label + "_examples"] = [
             [k, _key(s), r] for s, k, r in list(zip(specs, kinds, replies, strict=True))[:10]
@@ -528,6 +715,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--eval", type=int, default=400, help="held-out chats for the greedy check")
+    p.add_argument("--frames", type=int, default=1, help="up to this many frames per chat")
+    p.add_argument("--init", type=Path, help="start from these codes")
     args = ap.parse_args()
     if args.cmd == "prepare":
         from realtime.models import build_model
@@ -548,6 +737,8 @@ def main() -> None:
             seed=args.seed,
             device=args.device,
             n_eval=args.eval,
+            frames=args.frames,
+            init=args.init,
         )
         print(json.dumps(info))
 
