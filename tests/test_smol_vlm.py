@@ -12,6 +12,7 @@ import json
 import random
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -260,7 +261,7 @@ def test_fidelity_schedule_replays_the_first_frames_at_the_end() -> None:
     assert [(s, seed) for _, s, seed in short[:50]] != [(s, seed) for _, s, seed in short[-50:]]
 
 
-def _fake_codes_data() -> dict[str, object]:
+def _fake_codes_data() -> dict[str, Any]:
     """Token ids of the prompt pieces, made up: build_chats needs only their shapes."""
     from realtime.models import vision_codes as vc
 
@@ -296,7 +297,7 @@ def test_multi_frame_chats_carry_one_vector_per_image_and_every_reply() -> None:
         for start, end, kind in c.replies:
             assert (
                 c.ids[start:end] == d["answers"][kind][vc._key(c.specs[vc._image_before(c, start)])]
-            )  # type: ignore[index]
+            )
         t_axis = vc.positions(c.ids, c.grid)[0]
         assert t_axis == sorted(t_axis) and len(t_axis) == len(c.ids)
 
