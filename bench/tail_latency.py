@@ -395,6 +395,9 @@ def _heap_summary(stats: dict[str, Any]) -> dict[str, Any]:
         "malloc_in_use_mb": round(malloc["in_use"] / 2**20, 1) if malloc else None,
         "malloc_free_in_arenas_mb": round(malloc["free_in_arenas"] / 2**20, 1) if malloc else None,
         "python_objects": stats.get("python_objects"),
+        # What the worker itself read: its MALLOC_ARENA_MAX and its glibc thread-arena heaps.
+        "malloc_arena_max": malloc.get("arena_max_env"),
+        "thread_arena_heaps": malloc.get("thread_arena_heaps"),
     }
 
 
@@ -428,6 +431,13 @@ def main(argv: list[str] | None = None) -> int:
         help="time every model step and garbage collection; explain the slow frames by them",
     )
     parser.add_argument(
+        "--malloc-arenas",
+        default=None,
+        help="run each session once per value of MALLOC_ARENA_MAX (comma-separated; 'glibc' is "
+        "glibc's own default, 8 per core): an A/B of the engine's one-arena default in one "
+        "invocation",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="tracemalloc in the worker from the first tenth on (slows it: finds leaks, not tails)",
@@ -438,10 +448,17 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     names = {"text": TEXT_MODEL, "video": VIDEO_MODEL}
     runs = []
+    arenas = args.malloc_arenas.split(",") if args.malloc_arenas else [None]
     for key in args.models.split(","):
         for mode in args.modes.split(","):
-            runs.append(asyncio.run(run_session(args, names[key.strip()], mode.strip())))
-            print(json.dumps({k: v for k, v in runs[-1].items() if k != "over_2x_p50"}))
+            for arena in arenas:
+                if arena is not None:
+                    # Read by glibc when each engine process starts (they inherit it).
+                    value = str(8 * (os.cpu_count() or 1)) if arena == "glibc" else arena
+                    os.environ["MALLOC_ARENA_MAX"] = value
+                run = asyncio.run(run_session(args, names[key.strip()], mode.strip()))
+                runs.append({"malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX")} | run)
+                print(json.dumps({k: v for k, v in runs[-1].items() if k != "over_2x_p50"}))
     doc = {
         "bench": "tail_latency",
         "command": "python -m bench.tail_latency " + " ".join(argv or sys.argv[1:]),

@@ -57,7 +57,41 @@ def malloc_info() -> dict[str, int] | None:
         "free_in_arenas": int(info.fordblks),
         "arena": int(info.arena),
         "mmapped": int(info.hblkhd),
+        # Whether MALLOC_ARENA_MAX took effect. The process's own view: /proc/<pid>/environ of
+        # an engine process is overwritten by its title ("VLLM::Worker") and cannot tell.
+        "arena_max_env": os.environ.get("MALLOC_ARENA_MAX"),
+        "thread_arena_heaps": thread_arena_heaps(),
     }
+
+
+HEAP_MAX_SIZE = 64 << 20
+"""glibc's reservation per thread-arena heap on 64-bit (the main arena is `[heap]`)."""
+
+
+def thread_arena_heaps(maps: str | None = None) -> int | None:
+    """glibc thread-arena heaps of this process (`maps`: a /proc/<pid>/maps text): anonymous
+    mappings that begin on a HEAP_MAX_SIZE boundary and, with what follows them in the same
+    aligned region, span exactly HEAP_MAX_SIZE (a used part, then a reserved one). 0 with
+    MALLOC_ARENA_MAX=1. None where /proc cannot be read."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+    regions: dict[int, list[tuple[int, int]]] = {}
+    for line in maps.splitlines():
+        fields = line.split()
+        if len(fields) != 5:  # named mappings ([heap], files, [stack]) have a sixth field
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        base = lo & ~(HEAP_MAX_SIZE - 1)
+        if hi <= base + HEAP_MAX_SIZE:
+            regions.setdefault(base, []).append((lo, hi))
+    return sum(
+        1
+        for base, spans in regions.items()
+        if spans[0][0] == base and sum(hi - lo for lo, hi in spans) == HEAP_MAX_SIZE
+    )
 
 
 def _count_step_sizes(runner: Any) -> None:

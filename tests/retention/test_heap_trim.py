@@ -44,3 +44,24 @@ def test_traced_allocation_sites_carry_no_machine_paths() -> None:
     assert _short_frame(Frame("/opt/py/lib/python3.11/pickle.py", 9)) == "pickle.py:9"
     root = __import__("pathlib").Path(heap_trim.__file__).resolve().parents[2]
     assert _short_frame(Frame(f"{root}/retention/x.py", 1)) == "retention/x.py:1"
+
+
+def test_thread_arena_heaps_are_counted_from_the_maps() -> None:
+    """The check that MALLOC_ARENA_MAX took effect in an engine process (bench.tail_latency):
+    a thread arena is a 64 MiB-aligned anonymous region, used part + reserve = 64 MiB."""
+    from retention.vllm_adapter.diagnostics import thread_arena_heaps
+
+    maps = "\n".join(
+        [
+            "55d0c0000000-55d0c0100000 rw-p 00000000 00:00 0 [heap]",  # main arena: named
+            "7f1a44000000-7f1a44021000 rw-p 00000000 00:00 0",  # arena 1: used part
+            "7f1a44021000-7f1a48000000 ---p 00000000 00:00 0",  # ... and its reserve
+            "7f1a50000000-7f1a54000000 rw-p 00000000 00:00 0",  # arena 2, all used
+            "7f1a60000000-7f1a60100000 rw-p 00000000 00:00 0",  # aligned, but 1 MiB only
+            "7f1a61000000-7f1a65000000 rw-p 00000000 00:00 0",  # 64 MiB, not aligned
+            "7f1a70000000-7f1a70021000 r-xp 00000000 08:01 42 /usr/lib/libc.so.6",
+        ]
+    )
+    assert thread_arena_heaps(maps) == 2
+    assert thread_arena_heaps("") == 0
+    assert isinstance(thread_arena_heaps(), int | None)
