@@ -28,7 +28,7 @@ HEAP_STATS_METHOD = "vllm_realtime_heap_stats"
 _DIAGNOSTICS: dict[str, Any] = {}
 
 
-def malloc_info() -> dict[str, int] | None:
+def malloc_info() -> dict[str, Any] | None:
     """glibc's own accounting (mallinfo2): bytes in use vs held free, to tell a leak (in use
     grows) from allocator retention (RSS grows, in use flat). None off glibc."""
     import ctypes
