@@ -262,10 +262,12 @@ def test_fidelity_schedule_replays_the_first_frames_at_the_end() -> None:
 
 
 def _fake_codes_data() -> dict[str, Any]:
-    """Token ids of the prompt pieces, made up: build_chats needs only their shapes."""
+    """Token ids of the prompt pieces, made up: each reply names its fact with one token."""
     from realtime.models import vision_codes as vc
 
     kinds = list(vc.QUESTIONS)
+    words = sorted({w for ws in vc.ATTRIBUTES.values() for w in ws})
+    name_id = {w: 500 + i for i, w in enumerate(words)}
     return {
         "heads": [[100], [101, 102]],
         "user": [110, 111],
@@ -274,10 +276,27 @@ def _fake_codes_data() -> dict[str, Any]:
         "newline": [131],
         "questions": {k: [[200 + i, 2, 198]] for i, k in enumerate(kinds)},
         "answers": {
-            k: {vc._key(s): [300 + i, 400 + len(s.colour), 2] for s in vc.all_specs()}
+            k: {vc._key(s): [300 + i, name_id[vc._fact(k, s)], 2] for s in vc.all_specs()}
             for i, k in enumerate(kinds)
         },
+        "names": {str(i): w for w, i in name_id.items()},
     }
+
+
+class _FakeLM:
+    """The slice of vision_codes.TextModel the chat code reads; a hidden state is the mean of
+    the inputs so far (causal, so a reply sees its frame)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.emb = torch.randn(1000, 8, generator=torch.Generator().manual_seed(0))
+        self.device, self.dtype = "cpu", torch.float32
+
+    def hidden(self, x: Any, pos: Any) -> Any:
+        import torch
+
+        return x.cumsum(1) / torch.arange(1, x.shape[1] + 1)[None, :, None]
 
 
 def test_multi_frame_chats_carry_one_vector_per_image_and_every_reply() -> None:
@@ -301,12 +320,10 @@ def test_multi_frame_chats_carry_one_vector_per_image_and_every_reply() -> None:
         t_axis = vc.positions(c.ids, c.grid)[0]
         assert t_axis == sorted(t_axis) and len(t_axis) == len(c.ids)
 
-    class Emb:  # the slice of TextModel that embed_chats reads
-        emb = torch.zeros(1000, 4)
-        device, dtype = "cpu", torch.float32
-
+    lm = _FakeLM()
+    lm.emb = torch.zeros(1000, 4)
     vecs = torch.arange(24, dtype=torch.float32)[:, None].expand(24, 4)
-    x = vc.embed_chats(Emb(), chats, vecs, 0.0, None)  # type: ignore[arg-type]
+    x = vc.embed_chats(lm, chats, vecs, 0.0, None)  # type: ignore[arg-type]
     for b, c in enumerate(chats):
         slots = [j for j, t in enumerate(c.ids) if t == vc.IMAGE_PAD]
         ntok = len(slots) // 4
@@ -315,3 +332,21 @@ def test_multi_frame_chats_carry_one_vector_per_image_and_every_reply() -> None:
         assert x[b, 0].abs().sum() == 0  # text slots keep their (here zero) embeddings
     evals = vc.build_chats(d, random.Random(3), 6, frames=4, last_answer=False)
     assert all(c.replies[-1][0] == c.replies[-1][1] == len(c.ids) for c in evals)
+
+
+def test_chat_loss_reaches_the_codes_and_the_chat_score_is_a_rate() -> None:
+    import torch
+
+    from realtime.models import vision_codes as vc
+
+    d, lm = _fake_codes_data(), _FakeLM()
+    codes = {
+        a: torch.nn.Parameter(torch.randn(len(ws), 8, generator=torch.Generator().manual_seed(1)))
+        for a, ws in vc.ATTRIBUTES.items()
+    }
+    chats = vc.build_chats(d, random.Random(5), 4, frames=3)
+    vc.chat_loss(lm, codes, chats, 0.1, torch.Generator().manual_seed(2)).backward()  # type: ignore[arg-type]
+    assert all(c.grad is not None and c.grad.abs().sum() > 0 for c in codes.values())
+    score = vc.evaluate_chats(lm, d, codes, frames=3, n=30, batch=7)  # type: ignore[arg-type]
+    assert score["n"] == 30 and set(score) <= {"same", "mixed", "n", "copied_previous"}
+    assert all(0.0 <= score[k] <= 1.0 for k in ("same", "mixed") if k in score)

@@ -486,6 +486,17 @@ def batch_positions(seqs: list[list[int]], grids: list[tuple[int, int]], device:
     return torch.tensor(pos, device=device).permute(1, 0, 2)
 
 
+def word_codes(lm: TextModel, d: dict[str, Any]) -> dict[str, Any]:
+    """The codes' start: each fact's word embedding (counts and backgrounds at half weight)."""
+    import torch
+
+    return {
+        a: torch.stack([lm.emb[d["words"][a][w]].float() for w in ws])
+        * (1.0 if a in ("colour", "shape") else 0.5)
+        for a, ws in ATTRIBUTES.items()
+    }
+
+
 def tune(
     data: Path,
     out: Path,
@@ -499,6 +510,7 @@ def tune(
     n_eval: int = 400,
     frames: int = 1,
     init: Path | None = None,
+    dtype: Any = None,
 ) -> dict[str, Any]:
     """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every reply
     in the loss. `init`: start from these codes (a single-frame tuning) instead of the words."""
@@ -506,20 +518,16 @@ def tune(
 
     torch.manual_seed(seed)
     d = json.loads((data / "codes_data.json").read_text())
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     lm = TextModel.load(data, device, dtype)
     scale = float(lm.emb.float().norm(dim=-1).mean())
-    words = d["words"]
     if init is not None:
         from safetensors.torch import load_file
 
         start = {a: c.to(device) for a, c in load_file(str(init)).items()}
     else:
-        start = {
-            a: torch.stack([lm.emb[words[a][w]].float() for w in ws])
-            * (1.0 if a in ("colour", "shape") else 0.5)
-            for a, ws in ATTRIBUTES.items()
-        }
+        start = word_codes(lm, d)
     codes = {a: torch.nn.Parameter(start[a].clone()) for a in ATTRIBUTES}
     opt = torch.optim.Adam(codes.values(), lr=lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
@@ -560,7 +568,8 @@ def tune(
     }
     if frames > 1:
         info["eval_chats"] = {
-            k: evaluate_chats(lm, d, final, frames=k, n=n_eval // 2) for k in (1, frames)
+            f"frames_{k}": evaluate_chats(lm, d, final, frames=k, n=n_eval // 2)
+            for k in (1, frames)
         }
     return info
 
@@ -590,49 +599,55 @@ def evaluate_chats(
     *,
     frames: int,
     n: int = 200,
-    new_tokens: int = 8,
     batch: int = 25,
 ) -> dict[str, Any]:
-    """Greedy reply to the last frame of `frames`-frame chats (earlier replies teacher-forced,
-    exact codes): is the asked fact of THAT frame named? Chats with one question asked of every
-    frame ("same") and with a random one per frame ("mixed") are scored apart; "copied" counts
-    replies that name the previous answered frame's fact instead, where it differs."""
+    """Is the last frame of `frames`-frame chats read, or an earlier reply copied? Teacher-
+    forced (one forward per chat, exact codes): at the first word of the last reply that names
+    a fact of the asked kind, the model's top token is scored. "same": chats that ask one
+    question of every frame (where copying pays most), "mixed": a random one per frame;
+    "copied_previous": the top token names the previous answered frame's fact instead (where
+    the two differ)."""
     import torch
 
-    id_to_word = {int(i): w for i, w in d["names"].items()}
+    names = {int(i): w for i, w in d["names"].items()}
     rng = random.Random(4321)
     hits: dict[str, list[int]] = {}
-    copied = 0
+    copied = differs = 0
     dev_codes = {a: c.to(lm.device) for a, c in codes.items()}
     for first in range(0, n, batch):
-        chats = build_chats(d, rng, min(batch, n - first), frames, last_answer=False)
+        chats = build_chats(d, rng, min(batch, n - first), frames)
         vecs = frame_vectors(dev_codes, [s for c in chats for s in c.specs])
-        cur = [Chat(list(c.ids), c.specs, c.replies, c.grid) for c in chats]
-        out: list[list[int]] = [[] for _ in chats]
         with torch.no_grad():
-            for _ in range(new_tokens):
-                x = embed_chats(lm, cur, vecs, 0.0, None)
-                h = lm.hidden(
-                    x, batch_positions([c.ids for c in cur], [c.grid for c in cur], lm.device)
-                )
-                last = h[torch.arange(len(cur)), torch.tensor([len(c.ids) - 1 for c in cur])]
-                for i, t in enumerate((last.float() @ lm.emb.float().T).argmax(-1).tolist()):
-                    cur[i].ids.append(t)
-                    out[i].append(t)
-        for c, r in zip(chats, out, strict=True):
-            kind = c.replies[-1][2]
-            words = {id_to_word.get(t) for t in r}
+            x = embed_chats(lm, chats, vecs, 0.0, None)
+            h = lm.hidden(
+                x, batch_positions([c.ids for c in chats], [c.grid for c in chats], lm.device)
+            )
+        for b, c in enumerate(chats):
+            start, end, kind = c.replies[-1]
+            vocab = set(ATTRIBUTES[_ATTRIBUTE_OF[kind]])
+            at = next(j for j in range(start, end) if names.get(c.ids[j]) in vocab)
+            top = names.get(int((h[b, at - 1].float() @ lm.emb.float().T).argmax()))
             fact = _fact(kind, c.specs[-1])
-            same = len({k for _s, _e, k in c.replies}) == 1 and len(c.replies) > 1
-            hits.setdefault("same" if same else "mixed", []).append(int(fact in words))
+            same = len(c.replies) > 1 and len({k for _s, _e, k in c.replies}) == 1
+            hits.setdefault("same" if same else "mixed", []).append(int(top == fact))
             if len(c.replies) > 1:
-                prev = c.specs[_answered_before_last(c)]
-                if _fact(kind, prev) != fact and _fact(kind, prev) in words:
-                    copied += 1
+                before = _fact(kind, c.specs[_answered_before_last(c)])
+                if before != fact:
+                    differs += 1
+                    copied += int(top == before)
     return {k: round(sum(v) / len(v), 3) for k, v in hits.items()} | {
         "n": n,
-        "copied_previous": copied,
+        "copied_previous": round(copied / differs, 3) if differs else None,
     }
+
+
+_ATTRIBUTE_OF = {
+    "colour": "colour",
+    "shape": "shape",
+    "count": "count",
+    "background": "background",
+    "describe": "colour",
+}
 
 
 def _fact(kind: str, s: FrameSpec) -> str:
@@ -698,6 +713,25 @@ def evaluate(
     return out
 
 
+def score(
+    data: Path, codes_path: Path | None, device: str, frames: int, n: int, bf16: bool
+) -> dict[str, Any]:
+    """`evaluate_chats` of saved codes (or, without, of the word-embedding start)."""
+    import torch
+
+    d = json.loads((data / "codes_data.json").read_text())
+    lm = TextModel.load(data, device, torch.bfloat16 if bf16 else torch.float32)
+    if codes_path is not None:
+        from safetensors.torch import load_file
+
+        codes = load_file(str(codes_path))
+    else:
+        codes = word_codes(lm, d)
+    t0 = time.perf_counter()
+    out = {f"frames_{k}": evaluate_chats(lm, d, codes, frames=k, n=n) for k in sorted({1, frames})}
+    return out | {"seconds": round(time.perf_counter() - t0, 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -717,6 +751,10 @@ def main() -> None:
     p.add_argument("--eval", type=int, default=400, help="held-out chats for the greedy check")
     p.add_argument("--frames", type=int, default=1, help="up to this many frames per chat")
     p.add_argument("--init", type=Path, help="start from these codes")
+    p.add_argument(
+        "--bf16", action="store_true", help="bfloat16 LM on CPU too (CPUs with AVX512-BF16)"
+    )
+    p.add_argument("--eval-only", action="store_true", help="score --init's codes, no tuning")
     args = ap.parse_args()
     if args.cmd == "prepare":
         from realtime.models import build_model
@@ -726,7 +764,13 @@ def main() -> None:
         args.out.write_text(json.dumps(data))
     elif args.cmd == "pack":
         pack(args.out)
+    elif args.eval_only:
+        print(
+            json.dumps(score(args.data, args.init, args.device, args.frames, args.eval, args.bf16))
+        )
     else:
+        import torch
+
         info = tune(
             args.data,
             args.out,
@@ -739,6 +783,7 @@ def main() -> None:
             n_eval=args.eval,
             frames=args.frames,
             init=args.init,
+            dtype=torch.bfloat16 if args.bf16 else None,
         )
         print(json.dumps(info))
 
