@@ -44,6 +44,11 @@ def prepare_process_env() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind":
             os.environ.setdefault("OMP_NUM_THREADS", str(cpu_worker_threads()))
+        # One malloc arena in the engine processes (read by glibc when they start): the worker's
+        # slow anonymous creep lives in per-thread arenas, which glibc trims only from their top.
+        # A/B in one run, 3,000 bounded text frames: RSS slope 1.163 -> 0.536 MiB per 1k frames,
+        # p99/p50 1.379 -> 1.299; video unchanged (docs/benchmarks.md, "The allocator").
+        os.environ.setdefault("MALLOC_ARENA_MAX", "1")
 
 
 def cpu_worker_threads() -> int:

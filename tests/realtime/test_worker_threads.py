@@ -1,4 +1,5 @@
-"""The CPU worker leaves a core to the front end (realtime.engine.prepare_process_env)."""
+"""The CPU engine's process environment (realtime.engine.prepare_process_env): a core left to the
+front end, one malloc arena."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     monkeypatch.setattr(engine, "_has_cuda", lambda: False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     return monkeypatch
 
 
@@ -41,3 +43,14 @@ def test_vllm_binding_owns_threads(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
     engine.prepare_process_env()
     assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_engine_processes_get_one_malloc_arena(clean_env: pytest.MonkeyPatch) -> None:
+    engine.prepare_process_env()
+    assert os.environ["MALLOC_ARENA_MAX"] == "1"
+
+
+def test_operator_malloc_arenas_are_kept(clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("MALLOC_ARENA_MAX", "4")
+    engine.prepare_process_env()
+    assert os.environ["MALLOC_ARENA_MAX"] == "4"
