@@ -644,6 +644,26 @@ def _plan_class(
         ):
             break
     dropped = sorted(candidates[:taken], key=lambda seg: seg.start)
+    ranges = _freed_runs(dropped, budget.sink_tokens, block_size)
+    if remnants_first:
+        # This budget weighs remnants too, and a dropped segment frees only the whole blocks
+        # of its run: what the plan counted as dropped may stay (pinned between kept pieces).
+        # Take more, oldest first, until what is actually freed meets the high watermark, or
+        # the whole-block reservation (realtime/admission.py) undercounts (found by
+        # hypothesis: 1-token replies kept between 13-token frames, blocks of 16).
+        while _over(tokens_now - _tokens_in(ranges, members), high_tokens) and taken < len(
+            candidates
+        ):
+            taken += 1
+            dropped = sorted(candidates[:taken], key=lambda seg: seg.start)
+            ranges = _freed_runs(dropped, budget.sink_tokens, block_size)
+    return _describe(history, dropped, tuple(ranges))
+
+
+def _freed_runs(
+    dropped: Sequence[HistorySegment], sink_tokens: int, block_size: int
+) -> list[tuple[int, int]]:
+    """Adjacent dropped segments coalesced into runs, each rounded inward to whole blocks."""
     ranges: list[tuple[int, int]] = []
     run_start = run_end = -1
     for seg in dropped:
@@ -651,15 +671,25 @@ def _plan_class(
             run_end = seg.end
             continue
         if run_end > run_start >= 0:
-            aligned = _align_inward(max(run_start, budget.sink_tokens), run_end, block_size)
+            aligned = _align_inward(max(run_start, sink_tokens), run_end, block_size)
             if aligned is not None:
                 ranges.append(aligned)
         run_start, run_end = seg.start, seg.end
     if run_end > run_start >= 0:
-        aligned = _align_inward(max(run_start, budget.sink_tokens), run_end, block_size)
+        aligned = _align_inward(max(run_start, sink_tokens), run_end, block_size)
         if aligned is not None:
             ranges.append(aligned)
-    return _describe(history, dropped, tuple(ranges))
+    return ranges
+
+
+def _tokens_in(ranges: Sequence[tuple[int, int]], segments: Sequence[HistorySegment]) -> int:
+    """Tokens of `segments` inside `ranges`."""
+    return sum(
+        max(0, min(end, seg.end) - max(start, seg.start))
+        for start, end in ranges
+        for seg in segments
+        if seg.start < end and start < seg.end
+    )
 
 
 def plan_frame_eviction(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol import (
@@ -216,6 +216,24 @@ def simulate_split_peak(
 
 @settings(max_examples=1500, deadline=None)
 @given(split_scenarios())
+# Found by hypothesis (session 14): frames answered with 2 tokens keep a 1-token reply each; the
+# text window kept the replies, the frames between them could not free a whole block of 16,
+# and the text round counted them as freed.
+@example(
+    (
+        {
+            "sink_chunks": 0,
+            "sink_tokens": 0,
+            "window_chunks": 1,
+            "window_tokens": None,
+            "text_window_tokens": 6,
+            "low_watermark_ratio": 1.0,
+        },
+        ChunkBounds(chunk_tokens=13, reply_tokens=2, instructions_tokens=0),
+        16,
+        [("frame", 13, 2)] * 7,
+    )
+)
 def test_reservation_bounds_the_peak_with_a_text_window(
     scenario: tuple[dict[str, int | float | None], ChunkBounds, int, list[tuple[str, int, int]]],
 ) -> None:
