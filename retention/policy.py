@@ -614,6 +614,7 @@ def _plan_class(
     high_chunks: int | None,
     low_chunks: int | None,
     remnants_first: bool = False,
+    remnant_allowance: int = 0,
 ) -> EvictionPlan:
     """One budget's round: its members (non-sink segments with ``member``) weigh ``weight``
     tokens and ``counted`` ones count as chunks; over a high watermark, the shortest
@@ -645,15 +646,15 @@ def _plan_class(
             break
     dropped = sorted(candidates[:taken], key=lambda seg: seg.start)
     ranges = _freed_runs(dropped, budget.sink_tokens, block_size)
-    if remnants_first:
+    if remnants_first and high_tokens is not None:
         # This budget weighs remnants too, and a dropped segment frees only the whole blocks
-        # of its run: what the plan counted as dropped may stay (pinned between kept pieces).
-        # Take more, oldest first, until what is actually freed meets the high watermark, or
-        # the whole-block reservation (realtime/admission.py) undercounts (found by
-        # hypothesis: 1-token replies kept between 13-token frames, blocks of 16).
-        while _over(tokens_now - _tokens_in(ranges, members), high_tokens) and taken < len(
-            candidates
-        ):
+        # of its run: what the plan counted as dropped may stay, pinned between kept pieces.
+        # The admission reservation (realtime/admission.py) allows `remnant_allowance` such
+        # tokens (the ends of runs at held frames and sinks); past it, take more, oldest first,
+        # so that the session stays inside its reservation (found by hypothesis: 1-token
+        # replies kept between 13-token frames, blocks of 16, peak 7 blocks against 6).
+        limit = high_tokens + remnant_allowance
+        while tokens_now - _tokens_in(ranges, members) > limit and taken < len(candidates):
             taken += 1
             dropped = sorted(candidates[:taken], key=lambda seg: seg.start)
             ranges = _freed_runs(dropped, budget.sink_tokens, block_size)
@@ -741,6 +742,17 @@ def plan_text_eviction(
         high_chunks=None,
         low_chunks=None,
         remnants_first=True,
+        # Runs of dropped segments end at held frames and at the sinks; inward rounding may
+        # leave block_size - 1 tokens at each end (the reservation's `remnants` term).
+        remnant_allowance=2 * (block_size - 1) * (_frames_held(history, budget) + 1),
+    )
+
+
+def _frames_held(history: SessionHistory, budget: RetentionBudget) -> int:
+    return sum(
+        1
+        for seg in history.segments
+        if not _is_sink(seg, budget) and not seg.remnant and not _is_text(seg)
     )
 
 
