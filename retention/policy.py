@@ -654,7 +654,8 @@ def _plan_class(
         # so that the session stays inside its reservation (found by hypothesis: 1-token
         # replies kept between 13-token frames, blocks of 16, peak 7 blocks against 6).
         limit = high_tokens + remnant_allowance
-        while tokens_now - _tokens_in(ranges, members) > limit and taken < len(candidates):
+        # Every freed token is a member's: a run holds only this budget's dropped segments.
+        while tokens_now - sum(e - s for s, e in ranges) > limit and taken < len(candidates):
             taken += 1
             dropped = sorted(candidates[:taken], key=lambda seg: seg.start)
             ranges = _freed_runs(dropped, budget.sink_tokens, block_size)
@@ -681,16 +682,6 @@ def _freed_runs(
         if aligned is not None:
             ranges.append(aligned)
     return ranges
-
-
-def _tokens_in(ranges: Sequence[tuple[int, int]], segments: Sequence[HistorySegment]) -> int:
-    """Tokens of `segments` inside `ranges`."""
-    return sum(
-        max(0, min(end, seg.end) - max(start, seg.start))
-        for start, end in ranges
-        for seg in segments
-        if seg.start < end and start < seg.end
-    )
 
 
 def plan_frame_eviction(

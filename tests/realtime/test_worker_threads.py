@@ -32,10 +32,11 @@ def test_one_core_keeps_one_thread(clean_env: pytest.MonkeyPatch) -> None:
     assert os.environ["OMP_NUM_THREADS"] == "1"
 
 
-def test_operator_settings_are_kept(clean_env: pytest.MonkeyPatch) -> None:
-    clean_env.setenv("OMP_NUM_THREADS", "2")
+@pytest.mark.parametrize(("name", "value"), [("OMP_NUM_THREADS", "2"), ("MALLOC_ARENA_MAX", "4")])
+def test_operator_settings_are_kept(clean_env: pytest.MonkeyPatch, name: str, value: str) -> None:
+    clean_env.setenv(name, value)
     engine.prepare_process_env()
-    assert os.environ["OMP_NUM_THREADS"] == "2"
+    assert os.environ[name] == value
 
 
 def test_vllm_binding_owns_threads(clean_env: pytest.MonkeyPatch) -> None:
@@ -48,9 +49,3 @@ def test_vllm_binding_owns_threads(clean_env: pytest.MonkeyPatch) -> None:
 def test_engine_processes_get_one_malloc_arena(clean_env: pytest.MonkeyPatch) -> None:
     engine.prepare_process_env()
     assert os.environ["MALLOC_ARENA_MAX"] == "1"
-
-
-def test_operator_malloc_arenas_are_kept(clean_env: pytest.MonkeyPatch) -> None:
-    clean_env.setenv("MALLOC_ARENA_MAX", "4")
-    engine.prepare_process_env()
-    assert os.environ["MALLOC_ARENA_MAX"] == "4"
