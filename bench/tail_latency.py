@@ -22,7 +22,9 @@ the per-frame latency (the chunk sent → its boundary, what `response.done` mea
 every frame over 2× p50 with what happened on it (a consolidation on its path, a wait for an
 idle one still running), the worker's RSS slope per 1k frames (least squares after the first
 tenth), its distinct step sizes (diagnostics), frames and tokens retained against the window,
-and the load average before and after (the machine's other load is not ours). Prints one JSON
+the load average before and after (the machine's other load is not ours), the CPU time the
+hypervisor took during the session, and the tail of a fixed unit of CPU work run on the same
+clock just before and after it (`bench.machine_noise`: the machine's own floor). Prints one JSON
 document and writes it with `--json`.
 """
 
@@ -40,6 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.machine_noise import cpu_steal_jiffies, probe
 from bench.report import emit_json, trace_summary
 from bench.soak import slope
 
@@ -92,7 +95,9 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         "max_position": max_position,
         "consolidation": "rotate" if mode == "rotate" else "reprefill",
     }
+    noise_before = probe(args.noise_probe_s, args.period_ms / 1e3) if args.noise_probe_s else None
     load_before = loadavg()
+    steal_before = cpu_steal_jiffies()
     engine = start_engine(settings)
     records: list[dict[str, Any]] = []
     final: dict[str, Any] = {}
@@ -101,6 +106,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     seen_idle = 0
     rss: list[tuple[int, int]] = []
     rss_anon: list[tuple[int, int]] = []  # anonymous pages only (file-backed pages excluded)
+    rss_file: list[tuple[int, int]] = []  # pages of mapped files (code first touched late)
+    rss_shmem: list[tuple[int, int]] = []  # shared memory segments
     steps: dict[str, Any] = {}
     heap: dict[str, Any] = {}
     heap_at_tenth: dict[str, Any] = {}
@@ -184,15 +191,19 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
                     "consolidations": counters.consolidations,
                 }
             )
-            if i == frames // 10:
-                heap_at_tenth = (await heap_stats(engine, "steps_start"))["workers"][0]
-                if args.trace:
-                    await heap_stats(engine, "trace_start")
+            # RSS first: the heap probe below lists every Python object of the worker (~6 MB
+            # at 700k objects), which a sample taken after it would count at the first tenth.
             if i % args.rss_every == 0 or i == frames - 1:
                 workers = await worker_stats(engine)
                 rss.append((i, int(workers[0]["rss_bytes"])))
                 split = workers[0].get("rss_split_bytes") or {}
                 rss_anon.append((i, int(split.get("anon", 0))))
+                rss_file.append((i, int(split.get("file", 0))))
+                rss_shmem.append((i, int(split.get("shmem", 0))))
+            if i == frames // 10:
+                heap_at_tenth = (await heap_stats(engine, "steps_start"))["workers"][0]
+                if args.trace:
+                    await heap_stats(engine, "trace_start")
         if args.timeline:
             timeline = await _read_timeline(engine, front_gc)
         stats = await heap_stats(engine, "trace_top" if args.trace else "read")
@@ -213,6 +224,9 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     finally:
         engine.shutdown()
     seconds = time.perf_counter() - started
+    steal_after = cpu_steal_jiffies()
+    load_after = loadavg()
+    noise_after = probe(args.noise_probe_s, args.period_ms / 1e3) if args.noise_probe_s else None
     latencies = [r["latency_ms"] for r in records]
     q = quantiles(latencies)
     over = [r for r in records if r["latency_ms"] > 2 * q["p50"]]
@@ -243,9 +257,15 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
         "gap_ms": args.gap_ms,
         "max_tokens": args.max_tokens,
         "loadavg_before": load_before,
-        "loadavg_after": loadavg(),
+        "loadavg_after": load_after,
+        "cpu_steal_jiffies": (
+            None if steal_before is None or steal_after is None else steal_after - steal_before
+        ),
         "latency_ms": q,
         "p99_over_p50": round(q["p99"] / q["p50"], 3),
+        # The same ratio for a fixed ~10 ms unit of CPU work on the same clock, nothing of ours
+        # running, just before and after this session: the machine's own floor at that hour.
+        "machine_noise": {"before": noise_before, "after": noise_after},
         "mean_ms": round(statistics.fmean(latencies), 2),
         "max_ms": round(max(latencies), 2),
         "consolidations": records[-1]["consolidations"],
@@ -286,6 +306,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             # The trajectory: tells steady growth from a few steps (new sizes, arena growth).
             "samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss],
             "anon_samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss_anon],
+            "file_samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss_file],
+            "shmem_samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss_shmem],
         },
         "worker_step_sizes": steps,
         "worker_heap": heap,
@@ -440,6 +462,13 @@ def main(argv: list[str] | None = None) -> int:
         help="run each session once per value of MALLOC_ARENA_MAX (comma-separated; 'glibc' is "
         "glibc's own default, 8 per core): an A/B of the engine's one-arena default in one "
         "invocation",
+    )
+    parser.add_argument(
+        "--noise-probe-s",
+        type=float,
+        default=30.0,
+        help="seconds of bench.machine_noise (a fixed CPU unit on the frame clock) before and "
+        "after each session, engine stopped; 0 skips it",
     )
     parser.add_argument(
         "--trace",

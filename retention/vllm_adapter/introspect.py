@@ -66,16 +66,20 @@ def _rss_bytes() -> int | None:
         return None
 
 
+_RSS_KINDS = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+
+
 def _rss_split() -> dict[str, int]:
-    """RSS by kind (bytes): "anon" (heaps, mmapped allocations) and "file" (pages of mapped
+    """RSS by kind (bytes): "anon" (heaps, mmapped allocations), "file" (pages of mapped
     files: libraries, weights), which grows as rarely used code is first touched and is not a
-    leak. Empty where /proc is missing."""
+    leak, and "shmem" (shared memory segments). Empty where /proc is missing."""
     out: dict[str, int] = {}
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith(("RssAnon:", "RssFile:")):
-                    out[line[3:7].lower()] = int(line.split()[1]) * 1024
+                kind = _RSS_KINDS.get(line.split(maxsplit=1)[0] if line.strip() else "")
+                if kind is not None:
+                    out[kind] = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return {}
     return out

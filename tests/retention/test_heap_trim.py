@@ -27,10 +27,12 @@ def test_rss_split_tells_anonymous_from_file_backed_pages() -> None:
     split = _rss_split()
     if not split:
         pytest.skip("no /proc/self/status here")
-    assert set(split) == {"anon", "file"}
+    assert set(split) == {"anon", "file", "shmem"}
     total = _rss_bytes()
     assert total is not None
     assert 0 < split["anon"] <= total and 0 < split["file"] <= total
+    assert 0 <= split["shmem"] <= total
+    assert sum(split.values()) == total  # statm's resident pages are exactly these three
 
 
 def test_traced_allocation_sites_carry_no_machine_paths() -> None:
