@@ -350,3 +350,39 @@ def test_chat_loss_reaches_the_codes_and_the_chat_score_is_a_rate() -> None:
     score = vc.evaluate_chats(lm, d, codes, frames=3, n=30, batch=7)  # type: ignore[arg-type]
     assert score["n"] == 30 and set(score) <= {"same", "mixed", "n", "copied_previous"}
     assert all(0.0 <= score[k] <= 1.0 for k in ("same", "mixed") if k in score)
+
+
+def test_place_layout_puts_one_attribute_code_in_each_slot() -> None:
+    """The "place" layout: slot j of an image carries its frame's code of attribute j mod 4
+    (colour, shape, count, background) alone; the tower's targets follow the same order, and
+    the loss reaches every code through it."""
+    import torch
+
+    from realtime.models import vision_codes as vc
+
+    d, lm = _fake_codes_data(), _FakeLM()
+    codes = {
+        a: torch.nn.Parameter(torch.randn(len(ws), 8, generator=torch.Generator().manual_seed(1)))
+        for a, ws in vc.ATTRIBUTES.items()
+    }
+    chats = vc.build_chats(d, random.Random(7), 5, frames=3)
+    specs = [s for c in chats for s in c.specs]
+    parts = vc.image_vectors(codes, specs, "place")
+    assert parts.shape == (len(specs), 4, 8)
+    assert torch.equal(vc.image_vectors(codes, specs, "sum"), parts.sum(1))
+    x = vc.embed_chats(lm, chats, parts, 0.0, None)  # type: ignore[arg-type]
+    first = 0
+    for b, c in enumerate(chats):
+        ntok = c.grid[0] * c.grid[1] // 4
+        slots = [j for j, t in enumerate(c.ids) if t == vc.IMAGE_PAD]
+        for j, slot in enumerate(slots):
+            assert torch.equal(x[b, slot], parts[first + j // ntok, (j % ntok) % 4])
+        first += len(c.specs)
+    target = vc.slot_targets(codes, specs[0], 16, "place")
+    assert torch.equal(target[5], parts[0, 1]) and target.shape == (16, 8)
+    vc.chat_loss(lm, codes, chats, 0.1, torch.Generator().manual_seed(2), "place").backward()  # type: ignore[arg-type]
+    assert all(c.grad is not None and c.grad.abs().sum() > 0 for c in codes.values())
+    score = vc.evaluate_chats(lm, d, codes, frames=3, n=20, batch=7, layout="place")  # type: ignore[arg-type]
+    assert score["n"] == 20
+    with pytest.raises(ValueError, match="layout"):
+        vc.image_vectors(codes, specs, "rows")

@@ -58,6 +58,12 @@ QUESTIONS = {
     "describe": ("Describe the image.", "What do you see?", "Describe what you see."),
 }
 IMAGE_PAD, VISION_START, VISION_END = 6, 3, 4
+# How a frame's codes fill its image slots. "sum": every slot carries the sum of the four codes
+# (colour, shape, count, background). "place": slot j carries the code of attribute j mod 4
+# alone; on the 4-wide merged grid of both frame shapes that is the column, so the tower can
+# learn it, and the LM reads four separate "words" instead of one blend, in which an object's
+# colour and the background's colour start out the same vector.
+LAYOUTS = ("sum", "place")
 GRIDS = ((8, 8), (6, 8))  # patch grids of a square and of a 4:3 frame (16 and 12 LM tokens)
 
 
@@ -398,35 +404,54 @@ def build_chats(
 
 
 def embed_chats(lm: TextModel, chats: list[Chat], vecs: Any, noise: float, gen: Any) -> Any:
-    """Input embeddings of `chats` (right-padded): each image's slots carry its own frame
-    vector (`vecs`, one row per image, chats in order) + noise."""
+    """Input embeddings of `chats` (right-padded): each image's slots carry its own frame's
+    vectors (`image_vectors`: one row per image, chats in order) + noise."""
+    return _fill_images(lm, [c.ids for c in chats], vecs, noise, gen)
+
+
+def _fill_images(lm: TextModel, seqs: list[list[int]], vecs: Any, noise: float, gen: Any) -> Any:
+    """Token embeddings of `seqs` (right-padded) with every image's slots replaced: images are
+    numbered in order over the batch (each opens with VISION_START); `vecs` is [images, dim]
+    (every slot the same vector) or [images, parts, dim] (slot j takes part j mod parts)."""
     import torch
 
-    width = max(len(c.ids) for c in chats)
-    ids = torch.tensor([c.ids + [0] * (width - len(c.ids)) for c in chats], device=lm.device)
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=lm.device)
     image_of = torch.full(ids.shape, -1, dtype=torch.long)
-    first = 0
-    for b, c in enumerate(chats):
-        ntok = c.grid[0] * c.grid[1] // 4
-        slots = [j for j, t in enumerate(c.ids) if t == IMAGE_PAD]
-        for j, slot in enumerate(slots):
-            image_of[b, slot] = first + j // ntok
-        first += len(c.specs)
-    image_of = image_of.to(lm.device)
+    slot_of = torch.zeros(ids.shape, dtype=torch.long)
+    image = -1
+    for b, seq in enumerate(seqs):
+        slot = 0
+        for j, t in enumerate(seq):
+            if t == VISION_START:
+                image, slot = image + 1, 0
+            elif t == IMAGE_PAD:
+                image_of[b, j], slot_of[b, j] = image, slot
+                slot += 1
+    image_of, slot_of = image_of.to(lm.device), slot_of.to(lm.device)
     x = lm.emb[ids].clone()
-    v = vecs.to(lm.dtype)[image_of.clamp(min=0)]
+    vecs = vecs.to(lm.dtype)
+    if vecs.dim() == 3:
+        v = vecs[image_of.clamp(min=0), slot_of % vecs.shape[1]]
+    else:
+        v = vecs[image_of.clamp(min=0)]
     if noise:
         v = v + noise * torch.randn(v.shape, generator=gen, device=v.device).to(lm.dtype)
     return torch.where((image_of >= 0)[..., None], v, x)
 
 
 def chat_loss(
-    lm: TextModel, codes: dict[str, Any], chats: list[Chat], noise: float, gen: Any
+    lm: TextModel,
+    codes: dict[str, Any],
+    chats: list[Chat],
+    noise: float,
+    gen: Any,
+    layout: str = "sum",
 ) -> Any:
     """Cross-entropy of every answered frame's reply, teacher-forced."""
     import torch
 
-    vecs = frame_vectors(codes, [s for c in chats for s in c.specs])
+    vecs = image_vectors(codes, [s for c in chats for s in c.specs], layout)
     x = embed_chats(lm, chats, vecs, noise, gen)
     h = lm.hidden(x, batch_positions([c.ids for c in chats], [c.grid for c in chats], lm.device))
     rows, cols, ys = [], [], []
@@ -440,36 +465,56 @@ def chat_loss(
     return torch.nn.functional.cross_entropy(logits, torch.tensor(ys, device=lm.device))
 
 
-def frame_vectors(codes: dict[str, Any], specs: list[FrameSpec]) -> Any:
+def frame_parts(codes: dict[str, Any], specs: list[FrameSpec]) -> Any:
+    """[frames, 4, dim]: each frame's colour, shape, count and background codes."""
     import torch
 
-    rows = []
-    for s in specs:
-        v = (
-            codes["colour"][ATTRIBUTES["colour"].index(s.colour)]
-            + codes["shape"][ATTRIBUTES["shape"].index(s.shape)]
-            + codes["count"][s.count - 1]
-            + codes["background"][ATTRIBUTES["background"].index(s.background)]
-        )
-        rows.append(v)
-    return torch.stack(rows)
+    return torch.stack(
+        [
+            torch.stack(
+                [
+                    codes["colour"][ATTRIBUTES["colour"].index(s.colour)],
+                    codes["shape"][ATTRIBUTES["shape"].index(s.shape)],
+                    codes["count"][s.count - 1],
+                    codes["background"][ATTRIBUTES["background"].index(s.background)],
+                ]
+            )
+            for s in specs
+        ]
+    )
+
+
+def frame_vectors(codes: dict[str, Any], specs: list[FrameSpec]) -> Any:
+    """The "sum" layout's one vector per frame: [frames, dim]."""
+    return frame_parts(codes, specs).sum(1)
+
+
+def image_vectors(codes: dict[str, Any], specs: list[FrameSpec], layout: str) -> Any:
+    """What `_fill_images` places in each frame's slots, by layout."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; one of {LAYOUTS}")
+    return frame_vectors(codes, specs) if layout == "sum" else frame_parts(codes, specs)
+
+
+def slot_targets(codes: dict[str, Any], spec: FrameSpec, slots: int, layout: str) -> Any:
+    """The tower's targets for one frame's `slots` merged patches (raster order)."""
+    import torch
+
+    vecs = image_vectors(codes, [spec], layout)[0]
+    if layout == "sum":
+        return vecs.expand(slots, -1).clone()
+    return vecs[torch.arange(slots) % vecs.shape[0]].clone()
 
 
 def embed(
     lm: TextModel, seqs: list[list[int]], vecs: Any, noise: float, gen: Any
 ) -> tuple[Any, Any]:
-    """Input embeddings (image slots replaced by the frame vector + noise) and positions."""
+    """Input embeddings (image slots replaced by the frame's vectors + noise) and ids."""
     import torch
 
     width = max(len(s) for s in seqs)
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=lm.device)
-    x = lm.emb[ids].clone()
-    mask = ids == IMAGE_PAD
-    v = vecs[:, None, :].expand(-1, width, -1).to(lm.dtype)
-    if noise:
-        v = v + noise * torch.randn(v.shape, generator=gen, device=v.device).to(lm.dtype)
-    x = torch.where(mask[..., None], v, x)
-    return x, ids
+    return _fill_images(lm, seqs, vecs, noise, gen), ids
 
 
 def batch_positions(seqs: list[list[int]], grids: list[tuple[int, int]], device: str) -> Any:
@@ -486,15 +531,24 @@ def batch_positions(seqs: list[list[int]], grids: list[tuple[int, int]], device:
     return torch.tensor(pos, device=device).permute(1, 0, 2)
 
 
-def word_codes(lm: TextModel, d: dict[str, Any]) -> dict[str, Any]:
-    """The codes' start: each fact's word embedding (counts and backgrounds at half weight)."""
+def word_codes(lm: TextModel, d: dict[str, Any], layout: str = "sum") -> dict[str, Any]:
+    """The codes' start: each fact's word embedding (in a sum, counts and backgrounds at half
+    weight; placed apart, all at full weight)."""
     import torch
 
     return {
         a: torch.stack([lm.emb[d["words"][a][w]].float() for w in ws])
-        * (1.0 if a in ("colour", "shape") else 0.5)
+        * (1.0 if layout == "place" or a in ("colour", "shape") else 0.5)
         for a, ws in ATTRIBUTES.items()
     }
+
+
+def codes_layout(path: Path, default: str = "sum") -> str:
+    """The layout a codes file was tuned for (its metadata; files from before: "sum")."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return str((f.metadata() or {}).get("layout", default))
 
 
 def tune(
@@ -511,6 +565,7 @@ def tune(
     frames: int = 1,
     init: Path | None = None,
     dtype: Any = None,
+    layout: str = "sum",
 ) -> dict[str, Any]:
     """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every reply
     in the loss. `init`: start from these codes (a single-frame tuning) instead of the words."""
@@ -527,7 +582,7 @@ def tune(
 
         start = {a: c.to(device) for a, c in load_file(str(init)).items()}
     else:
-        start = word_codes(lm, d)
+        start = word_codes(lm, d, layout)
     codes = {a: torch.nn.Parameter(start[a].clone()) for a in ATTRIBUTES}
     opt = torch.optim.Adam(codes.values(), lr=lr)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
@@ -539,9 +594,10 @@ def tune(
     for step in range(steps):
         if frames > 1:
             chats = build_chats(d, rng, batch, rng.randint(1, frames))
-            loss = chat_loss(lm, codes, chats, noise * scale / 24.0, gen)
+            loss = chat_loss(lm, codes, chats, noise * scale / 24.0, gen, layout)
         else:
-            loss = single_frame_loss(lm, codes, bat.build(rng, batch), noise * scale / 24.0, gen)
+            batch_ = bat.build(rng, batch)
+            loss = single_frame_loss(lm, codes, batch_, noise * scale / 24.0, gen, layout)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -559,28 +615,35 @@ def tune(
     except ImportError:  # plain torch elsewhere
         torch.save(final, out.with_suffix(".pt"))
     else:
-        save_file(final, str(out), metadata={"steps": str(steps), "seed": str(seed)})
+        meta = {"steps": str(steps), "seed": str(seed), "layout": layout}
+        save_file(final, str(out), metadata=meta)
     info: dict[str, Any] = {
         "loss": log,
         "seconds": time.perf_counter() - t0,
         "scale": scale,
-        "eval": evaluate(lm, d, final, device, noise=noise * scale / 24.0, n=n_eval),
+        "layout": layout,
+        "eval": evaluate(lm, d, final, device, noise=noise * scale / 24.0, n=n_eval, layout=layout),
     }
     if frames > 1:
         info["eval_chats"] = {
-            f"frames_{k}": evaluate_chats(lm, d, final, frames=k, n=n_eval // 2)
+            f"frames_{k}": evaluate_chats(lm, d, final, frames=k, n=n_eval // 2, layout=layout)
             for k in (1, frames)
         }
     return info
 
 
 def single_frame_loss(
-    lm: TextModel, codes: dict[str, Any], batch: tuple[Any, ...], noise: float, gen: Any
+    lm: TextModel,
+    codes: dict[str, Any],
+    batch: tuple[Any, ...],
+    noise: float,
+    gen: Any,
+    layout: str = "sum",
 ) -> Any:
     import torch
 
     seqs, starts, specs, _k, grids = batch
-    x, _ids = embed(lm, seqs, frame_vectors(codes, specs), noise, gen)
+    x, _ids = embed(lm, seqs, image_vectors(codes, specs, layout), noise, gen)
     h = lm.hidden(x, batch_positions(seqs, grids, lm.device))
     rows, cols, ys = [], [], []
     for b, (s, st) in enumerate(zip(seqs, starts, strict=True)):
@@ -600,6 +663,7 @@ def evaluate_chats(
     frames: int,
     n: int = 200,
     batch: int = 25,
+    layout: str = "sum",
 ) -> dict[str, Any]:
     """Is the last frame of `frames`-frame chats read, or an earlier reply copied? Teacher-
     forced (one forward per chat, exact codes): at the first word of the last reply that names
@@ -616,7 +680,7 @@ def evaluate_chats(
     dev_codes = {a: c.to(lm.device) for a, c in codes.items()}
     for first in range(0, n, batch):
         chats = build_chats(d, rng, min(batch, n - first), frames)
-        vecs = frame_vectors(dev_codes, [s for c in chats for s in c.specs])
+        vecs = image_vectors(dev_codes, [s for c in chats for s in c.specs], layout)
         with torch.no_grad():
             x = embed_chats(lm, chats, vecs, 0.0, None)
             h = lm.hidden(
@@ -680,6 +744,7 @@ def evaluate(
     noise: float,
     n: int = 400,
     new_tokens: int = 8,
+    layout: str = "sum",
 ) -> dict[str, Any]:
     """Greedy replies from exact codes (and noisy ones): is the asked fact named?"""
     import torch
@@ -689,7 +754,7 @@ def evaluate(
     for label, nz in (("exact", 0.0), ("noisy", noise)):
         rng = random.Random(12345)
         seqs, _st, specs, kinds, grids = Batcher(d, device).build(rng, n, with_answer=False)
-        vecs = frame_vectors({a: c.to(device) for a, c in codes.items()}, specs)
+        vecs = image_vectors({a: c.to(device) for a, c in codes.items()}, specs, layout)
         replies: list[list[int]] = [[] for _ in seqs]
         cur = [list(s) for s in seqs]
         with torch.no_grad():
@@ -714,9 +779,17 @@ def evaluate(
 
 
 def score(
-    data: Path, codes_path: Path | None, device: str, frames: int, n: int, bf16: bool
+    data: Path,
+    codes_path: Path | None,
+    device: str,
+    frames: int,
+    n: int,
+    bf16: bool,
+    layout: str = "sum",
+    greedy: bool = False,
 ) -> dict[str, Any]:
-    """`evaluate_chats` of saved codes (or, without, of the word-embedding start)."""
+    """`evaluate_chats` of saved codes (in the layout they were tuned for) or, without, of the
+    word-embedding start in `layout`; `greedy` adds `evaluate`'s single-frame replies."""
     import torch
 
     d = json.loads((data / "codes_data.json").read_text())
@@ -725,10 +798,20 @@ def score(
         from safetensors.torch import load_file
 
         codes = load_file(str(codes_path))
+        layout = codes_layout(codes_path, layout)
     else:
-        codes = word_codes(lm, d)
+        codes = word_codes(lm, d, layout)
     t0 = time.perf_counter()
-    out = {f"frames_{k}": evaluate_chats(lm, d, codes, frames=k, n=n) for k in sorted({1, frames})}
+    out: dict[str, Any] = {"layout": layout} | {
+        f"frames_{k}": evaluate_chats(lm, d, codes, frames=k, n=n, layout=layout)
+        for k in sorted({1, frames})
+    }
+    if greedy:
+        out["greedy"] = {
+            k: v
+            for k, v in evaluate(lm, d, codes, device, noise=0.0, n=n, layout=layout).items()
+            if k == "exact"
+        }
     return out | {"seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -755,6 +838,8 @@ def main() -> None:
         "--bf16", action="store_true", help="bfloat16 LM on CPU too (CPUs with AVX512-BF16)"
     )
     p.add_argument("--eval-only", action="store_true", help="score --init's codes, no tuning")
+    p.add_argument("--layout", choices=LAYOUTS, default="sum", help="how codes fill the slots")
+    p.add_argument("--greedy", action="store_true", help="--eval-only: single-frame replies too")
     args = ap.parse_args()
     if args.cmd == "prepare":
         from realtime.models import build_model
@@ -766,7 +851,18 @@ def main() -> None:
         pack(args.out)
     elif args.eval_only:
         print(
-            json.dumps(score(args.data, args.init, args.device, args.frames, args.eval, args.bf16))
+            json.dumps(
+                score(
+                    args.data,
+                    args.init,
+                    args.device,
+                    args.frames,
+                    args.eval,
+                    args.bf16,
+                    layout=args.layout,
+                    greedy=args.greedy,
+                )
+            )
         )
     else:
         import torch
@@ -784,6 +880,7 @@ def main() -> None:
             frames=args.frames,
             init=args.init,
             dtype=torch.bfloat16 if args.bf16 else None,
+            layout=args.layout,
         )
         print(json.dumps(info))
 

@@ -70,6 +70,7 @@ class Targets:
         assert layout in LAYOUTS, layout
         self.emb, self.tok, self.codes, self.layout = emb, tok, codes, layout
         self.object_coverage = object_coverage
+        self.codes_layout = "sum"  # vision_codes.LAYOUTS: how `codes` fill a frame's slots
 
     def candidates(self) -> tuple[list[tuple[str, ...]], Any]:
         """Every vector a patch target can be, with the words it sums: single colour and shape
@@ -96,9 +97,9 @@ class Targets:
         import torch
 
         if self.codes is not None:
-            from realtime.models.vision_codes import frame_vectors
+            from realtime.models.vision_codes import slot_targets
 
-            return frame_vectors(self.codes, [spec]).expand(len(coverage), -1).clone()
+            return slot_targets(self.codes, spec, len(coverage), self.codes_layout)
 
         neutral = spec.background in NEUTRAL_BACKGROUNDS
         if self.layout == "objcol" or (self.layout == "mixed" and neutral):
@@ -447,10 +448,12 @@ def train_codes(
     from safetensors.torch import load_file, save_file
 
     from realtime.models.smol_vlm import vision_model
+    from realtime.models.vision_codes import codes_layout
 
     torch.manual_seed(seed)
     codes = load_file(str(codes_path))
     targets = Targets(None, None, codes)
+    targets.codes_layout = codes_layout(codes_path)
     t0 = time.perf_counter()
     data = make_dataset(n_train, seed, targets, workers)
     held = make_dataset(300, 7_777, targets, workers)  # a seed the training never uses
@@ -463,7 +466,7 @@ def train_codes(
         model, data, scale, steps=steps, batch=batch, seed=seed + 1, device=device, lr=lr
     )
     info["stage1_s"] = time.perf_counter() - t1
-    info["held_out"] = nearest_code_accuracy(model, held, codes, device)
+    info["held_out"] = nearest_code_accuracy(model, held, codes, device, targets.codes_layout)
     state = {
         k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()
     }
@@ -475,13 +478,14 @@ def train_codes(
 
 
 def nearest_code_accuracy(
-    model: Any, data: list[Any], codes: dict[str, Any], device: str = "cpu"
+    model: Any, data: list[Any], codes: dict[str, Any], device: str = "cpu", layout: str = "sum"
 ) -> dict[str, float]:
-    """Tower alone: the frame's mean patch output decoded to the nearest code sum (all
-    colour/shape/count/background combinations); per-attribute accuracy."""
+    """Tower alone: "sum", the frame's mean patch output decoded to the nearest code sum (all
+    colour/shape/count/background combinations); "place", each attribute's slots (j mod 4)
+    averaged and decoded to that attribute's nearest code. Per-attribute accuracy."""
     import torch
 
-    from realtime.models.vision_codes import all_specs, frame_vectors
+    from realtime.models.vision_codes import ATTRIBUTES, all_specs, frame_vectors
 
     specs = all_specs()
     table = frame_vectors(codes, specs).to(device)
@@ -490,11 +494,21 @@ def nearest_code_accuracy(
     with torch.no_grad():
         for pv, grid, _tgt, spec in data:
             out = model(pv.to(device, torch.float32), grid_thw=grid[None].to(device)).pooler_output
+            if layout == "place":
+                for k, a in enumerate(hits):
+                    mean = out[k::4].mean(0)
+                    best_i = int((codes[a].to(device) - mean).norm(dim=-1).argmin())
+                    hits[a] += ATTRIBUTES[a][best_i] == _fact_of(a, spec)
+                continue
             best = specs[int((table - out.mean(0)).norm(dim=-1).argmin())]
             for a in hits:
                 hits[a] += getattr(best, a) == getattr(spec, a)
     model.train()
     return {a: h / len(data) for a, h in hits.items()}
+
+
+def _fact_of(attribute: str, spec: FrameSpec) -> str:
+    return COUNT_WORDS[spec.count] if attribute == "count" else str(getattr(spec, attribute))
 
 
 def nearest_target_accuracy(model: Any, data: list[Any], targets: Targets) -> dict[str, Any]:
