@@ -232,6 +232,12 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     over = [r for r in records if r["latency_ms"] > 2 * q["p50"]]
     warm = [(i, b) for i, b in rss if i >= frames // 10]
     warm_anon = [(i, b) for i, b in rss_anon if i >= frames // 10]
+    # Without the shared-memory ring EngineCore writes each step into (vLLM's MessageQueue: 10
+    # chunks, each touched up to the largest message it has carried, e.g. a re-prefill's pixel
+    # values): those pages grow in steps up to a bound and are not the worker's heap.
+    warm_private = [
+        (i, a + f) for (i, a), (_, f) in zip(rss_anon, rss_file, strict=True) if i >= frames // 10
+    ]
     per_frame = [r["prompt_tokens"] + args.max_tokens - 1 for r in records[1:]]
     frame_tokens = statistics.median(per_frame) if per_frame else 1
     held_frames = [
@@ -302,6 +308,11 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             # Anonymous memory only: file-backed pages (code first touched late) are not a leak.
             "anon_slope_mb_per_1k_frames": round(
                 slope([float(i) for i, _ in warm_anon], [b / 2**20 for _, b in warm_anon]) * 1000, 3
+            ),
+            "without_shmem_slope_mb_per_1k_frames": round(
+                slope([float(i) for i, _ in warm_private], [b / 2**20 for _, b in warm_private])
+                * 1000,
+                3,
             ),
             # The trajectory: tells steady growth from a few steps (new sizes, arena growth).
             "samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss],
