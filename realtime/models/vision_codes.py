@@ -566,6 +566,7 @@ def tune(
     init: Path | None = None,
     dtype: Any = None,
     layout: str = "sum",
+    save_every: int = 0,
 ) -> dict[str, Any]:
     """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every reply
     in the loss. `init`: start from these codes (a single-frame tuning) instead of the words."""
@@ -608,15 +609,10 @@ def tune(
                 f"codes step {step} loss {log[-1][1]:.4f} {time.perf_counter() - t0:.0f}s",
                 flush=True,
             )
-    final = {a: c.detach().float().cpu().contiguous() for a, c in codes.items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        from safetensors.torch import save_file
-    except ImportError:  # plain torch elsewhere
-        torch.save(final, out.with_suffix(".pt"))
-    else:
-        meta = {"steps": str(steps), "seed": str(seed), "layout": layout}
-        save_file(final, str(out), metadata=meta)
+        if save_every and step and step % save_every == 0:
+            # A long CPU run that is stopped keeps its codes (resume with --init).
+            _save_codes(codes, out, steps=step, seed=seed, layout=layout)
+    final = _save_codes(codes, out, steps=steps, seed=seed, layout=layout)
     info: dict[str, Any] = {
         "loss": log,
         "seconds": time.perf_counter() - t0,
@@ -630,6 +626,23 @@ def tune(
             for k in (1, frames)
         }
     return info
+
+
+def _save_codes(
+    codes: dict[str, Any], out: Path, *, steps: int, seed: int, layout: str
+) -> dict[str, Any]:
+    import torch
+
+    final = {a: c.detach().float().cpu().contiguous() for a, c in codes.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        from safetensors.torch import save_file
+    except ImportError:  # plain torch elsewhere
+        torch.save(final, out.with_suffix(".pt"))
+    else:
+        meta = {"steps": str(steps), "seed": str(seed), "layout": layout}
+        save_file(final, str(out), metadata=meta)
+    return final
 
 
 def single_frame_loss(
@@ -840,6 +853,7 @@ def main() -> None:
     p.add_argument("--eval-only", action="store_true", help="score --init's codes, no tuning")
     p.add_argument("--layout", choices=LAYOUTS, default="sum", help="how codes fill the slots")
     p.add_argument("--greedy", action="store_true", help="--eval-only: single-frame replies too")
+    p.add_argument("--save-every", type=int, default=100, help="write --out every N steps")
     args = ap.parse_args()
     if args.cmd == "prepare":
         from realtime.models import build_model
@@ -881,6 +895,7 @@ def main() -> None:
             init=args.init,
             dtype=torch.bfloat16 if args.bf16 else None,
             layout=args.layout,
+            save_every=args.save_every,
         )
         print(json.dumps(info))
 
