@@ -156,6 +156,11 @@ def make_dataset(
     if workers:
         from concurrent.futures import ProcessPoolExecutor
 
+        import torch.multiprocessing
+
+        # Thousands of tensors come back from the pool: passed as file descriptors (torch's
+        # default) they failed here with "received 0 items of ancdata".
+        torch.multiprocessing.set_sharing_strategy("file_system")
         chunks = [(min(500, n - i), seed * 1_000_003 + i // 500) for i in range(0, n, 500)]
         with ProcessPoolExecutor(workers) as pool:
             parts = pool.map(_chunk, [(k, sd, targets) for k, sd in chunks])
