@@ -446,6 +446,7 @@ def train_codes(
     device: str = "cpu",
     workers: int = 0,
     lr: float = 2e-3,
+    resume: Path | None = None,
 ) -> dict[str, Any]:
     """Stage 1 towards reading codes (`vision_codes.py`): every merged patch of a frame is fitted
     to the sum of its colour, shape, count and background codes."""
@@ -463,7 +464,10 @@ def train_codes(
     data = make_dataset(n_train, seed, targets, workers)
     held = make_dataset(300, 7_777, targets, workers)  # a seed the training never uses
     info: dict[str, Any] = {"data_s": time.perf_counter() - t0}
-    model = vision_model()
+    weights = None
+    if resume is not None:  # stage 1 goes on from these weights
+        weights = {k: v.to(torch.float32) for k, v in load_file(str(resume)).items()}
+    model = vision_model(weights)
     model.train()
     scale = float(torch.cat([x[2] for x in data[:200]]).std())
     t1 = time.perf_counter()
@@ -598,6 +602,7 @@ def main() -> None:
             device=args.device,
             workers=args.workers,
             lr=args.lr,
+            resume=args.resume,
         )
         print(json.dumps(info))
         return
