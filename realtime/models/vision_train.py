@@ -449,7 +449,9 @@ def train_codes(
     resume: Path | None = None,
 ) -> dict[str, Any]:
     """Stage 1 towards reading codes (`vision_codes.py`): every merged patch of a frame is fitted
-    to the sum of its colour, shape, count and background codes."""
+    to its codes in the layout they were tuned for: the sum of its colour, shape, count and
+    background codes ("sum"), or attribute j mod 4's code at patch j ("place", the shipped
+    tower's, docs/vlm.md "Session 15")."""
     import torch
     from safetensors.torch import load_file, save_file
 
