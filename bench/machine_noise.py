@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -57,19 +58,16 @@ def measure(seconds: float, period_s: float) -> dict[str, Any]:
         _unit(a)
         took.append((time.perf_counter() - t0) * 1e3)
     steal1 = cpu_steal_jiffies()
-    took.sort()
-
-    def q(p: float) -> float:
-        return round(took[min(len(took) - 1, int(p * len(took)))], 2)
-
+    # The percentiles bench.tail_latency reports for frames, so that the two ratios compare.
+    q = statistics.quantiles(took, n=100, method="inclusive") if len(took) > 1 else took * 99
     return {
         "seconds": seconds,
         "period_ms": round(period_s * 1e3, 1),
         "units": len(took),
-        "p50_ms": q(0.50),
-        "p90_ms": q(0.90),
-        "p99_ms": q(0.99),
-        "p99_over_p50": round(q(0.99) / q(0.50), 3),
+        "p50_ms": round(q[49], 2),
+        "p90_ms": round(q[89], 2),
+        "p99_ms": round(q[98], 2),
+        "p99_over_p50": round(q[98] / q[49], 3),
         "steal_jiffies": None if steal0 is None or steal1 is None else steal1 - steal0,
     }
 

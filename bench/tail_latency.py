@@ -105,9 +105,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     consolidation_s: list[float] = []
     seen_idle = 0
     rss: list[tuple[int, int]] = []
-    rss_anon: list[tuple[int, int]] = []  # anonymous pages only (file-backed pages excluded)
-    rss_file: list[tuple[int, int]] = []  # pages of mapped files (code first touched late)
-    rss_shmem: list[tuple[int, int]] = []  # shared memory segments
+    # (frame, bytes by kind): "anon", "file" (mapped files) and "shmem" (shared memory).
+    rss_split: list[tuple[int, dict[str, int]]] = []
     steps: dict[str, Any] = {}
     heap: dict[str, Any] = {}
     heap_at_tenth: dict[str, Any] = {}
@@ -196,10 +195,7 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             if i % args.rss_every == 0 or i == frames - 1:
                 workers = await worker_stats(engine)
                 rss.append((i, int(workers[0]["rss_bytes"])))
-                split = workers[0].get("rss_split_bytes") or {}
-                rss_anon.append((i, int(split.get("anon", 0))))
-                rss_file.append((i, int(split.get("file", 0))))
-                rss_shmem.append((i, int(split.get("shmem", 0))))
+                rss_split.append((i, dict(workers[0].get("rss_split_bytes") or {})))
             if i == frames // 10:
                 heap_at_tenth = (await heap_stats(engine, "steps_start"))["workers"][0]
                 if args.trace:
@@ -230,14 +226,17 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     latencies = [r["latency_ms"] for r in records]
     q = quantiles(latencies)
     over = [r for r in records if r["latency_ms"] > 2 * q["p50"]]
-    warm = [(i, b) for i, b in rss if i >= frames // 10]
-    warm_anon = [(i, b) for i, b in rss_anon if i >= frames // 10]
-    # Without the shared-memory ring EngineCore writes each step into (vLLM's MessageQueue: 10
-    # chunks, each touched up to the largest message it has carried, e.g. a re-prefill's pixel
-    # values): those pages grow in steps up to a bound and are not the worker's heap.
-    warm_private = [
-        (i, a + f) for (i, a), (_, f) in zip(rss_anon, rss_file, strict=True) if i >= frames // 10
-    ]
+
+    def kinds(*names: str) -> list[tuple[int, int]]:
+        return [(i, sum(split.get(k, 0) for k in names)) for i, split in rss_split]
+
+    def slope_per_1k(samples: list[tuple[int, int]]) -> float:
+        warm = [(i, b) for i, b in samples if i >= frames // 10]  # after the first tenth
+        return round(slope([float(i) for i, _ in warm], [b / 2**20 for _, b in warm]) * 1000, 3)
+
+    def mib(samples: list[tuple[int, int]]) -> list[list[float]]:
+        return [[i, round(b / 2**20, 1)] for i, b in samples]
+
     per_frame = [r["prompt_tokens"] + args.max_tokens - 1 for r in records[1:]]
     frame_tokens = statistics.median(per_frame) if per_frame else 1
     held_frames = [
@@ -302,23 +301,18 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
             "includes_timeline_records": bool(args.timeline),
             "first_mb": round(rss[0][1] / 2**20, 1) if rss else None,
             "last_mb": round(rss[-1][1] / 2**20, 1) if rss else None,
-            "slope_mb_per_1k_frames": round(
-                slope([float(i) for i, _ in warm], [b / 2**20 for _, b in warm]) * 1000, 3
-            ),
+            "slope_mb_per_1k_frames": slope_per_1k(rss),
             # Anonymous memory only: file-backed pages (code first touched late) are not a leak.
-            "anon_slope_mb_per_1k_frames": round(
-                slope([float(i) for i, _ in warm_anon], [b / 2**20 for _, b in warm_anon]) * 1000, 3
-            ),
-            "without_shmem_slope_mb_per_1k_frames": round(
-                slope([float(i) for i, _ in warm_private], [b / 2**20 for _, b in warm_private])
-                * 1000,
-                3,
-            ),
+            "anon_slope_mb_per_1k_frames": slope_per_1k(kinds("anon")),
+            # Without the shared-memory ring EngineCore writes each step into (vLLM's
+            # MessageQueue: 10 chunks, each touched up to the largest message it has carried,
+            # e.g. a re-prefill's pixel values): it grows in steps up to a bound, not a heap.
+            "without_shmem_slope_mb_per_1k_frames": slope_per_1k(kinds("anon", "file")),
             # The trajectory: tells steady growth from a few steps (new sizes, arena growth).
-            "samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss],
-            "anon_samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss_anon],
-            "file_samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss_file],
-            "shmem_samples_mb": [[i, round(b / 2**20, 1)] for i, b in rss_shmem],
+            "samples_mb": mib(rss),
+            "anon_samples_mb": mib(kinds("anon")),
+            "file_samples_mb": mib(kinds("file")),
+            "shmem_samples_mb": mib(kinds("shmem")),
         },
         "worker_step_sizes": steps,
         "worker_heap": heap,

@@ -277,7 +277,7 @@ def _fake_codes_data() -> dict[str, Any]:
         "newline": [131],
         "questions": {k: [[200 + i, 2, 198]] for i, k in enumerate(kinds)},
         "answers": {
-            k: {vc._key(s): [300 + i, name_id[vc._fact(k, s)], 2] for s in vc.all_specs()}
+            k: {vc._key(s): [300 + i, name_id[vc.fact(k, s)], 2] for s in vc.all_specs()}
             for i, k in enumerate(kinds)
         },
         "names": {str(i): w for w, i in name_id.items()},

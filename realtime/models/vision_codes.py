@@ -65,6 +65,7 @@ IMAGE_PAD, VISION_START, VISION_END = 6, 3, 4
 # learn it, and the LM reads four separate "words" instead of one blend, in which an object's
 # colour and the background's colour start out the same vector.
 LAYOUTS = ("sum", "place")
+PARTS = ("colour", "shape", "count", "background")  # a frame's codes, in slot order
 GRIDS = ((8, 8), (6, 8))  # patch grids of a square and of a 4:3 frame (16 and 12 LM tokens)
 
 
@@ -467,21 +468,12 @@ def chat_loss(
 
 
 def frame_parts(codes: dict[str, Any], specs: list[FrameSpec]) -> Any:
-    """[frames, 4, dim]: each frame's colour, shape, count and background codes."""
+    """[frames, 4, dim]: each frame's codes in `PARTS` order (the "place" layout's slot j
+    carries part j mod 4)."""
     import torch
 
     return torch.stack(
-        [
-            torch.stack(
-                [
-                    codes["colour"][ATTRIBUTES["colour"].index(s.colour)],
-                    codes["shape"][ATTRIBUTES["shape"].index(s.shape)],
-                    codes["count"][s.count - 1],
-                    codes["background"][ATTRIBUTES["background"].index(s.background)],
-                ]
-            )
-            for s in specs
-        ]
+        [torch.stack([codes[a][ATTRIBUTES[a].index(fact(a, s))] for a in PARTS]) for s in specs]
     )
 
 
@@ -705,12 +697,12 @@ def evaluate_chats(
             vocab = set(ATTRIBUTES[_ATTRIBUTE_OF[kind]])
             at = next(j for j in range(start, end) if names.get(c.ids[j]) in vocab)
             top = names.get(int((h[b, at - 1].float() @ lm.emb.float().T).argmax()))
-            fact = _fact(kind, c.specs[-1])
+            right = fact(kind, c.specs[-1])
             same = len(c.replies) > 1 and len({k for _s, _e, k in c.replies}) == 1
-            hits.setdefault("same" if same else "mixed", []).append(int(top == fact))
+            hits.setdefault("same" if same else "mixed", []).append(int(top == right))
             if len(c.replies) > 1:
-                before = _fact(kind, c.specs[_answered_before_last(c)])
-                if before != fact:
+                before = fact(kind, c.specs[_answered_before_last(c)])
+                if before != right:
                     differs += 1
                     copied += int(top == before)
     return {k: round(sum(v) / len(v), 3) for k, v in hits.items()} | {
@@ -728,7 +720,8 @@ _ATTRIBUTE_OF = {
 }
 
 
-def _fact(kind: str, s: FrameSpec) -> str:
+def fact(kind: str, s: FrameSpec) -> str:
+    """The word a reply to `kind` (a question kind or an attribute) must name for frame `s`."""
     return {
         "colour": s.colour,
         "shape": s.shape,
@@ -765,7 +758,8 @@ def evaluate(
 
     out: dict[str, Any] = {}
     id_to_word = {int(i): w for i, w in d["names"].items()}
-    for label, nz in (("exact", 0.0), ("noisy", noise)):
+    # Exact codes, then noisy ones (skipped at noise 0: the same replies again).
+    for label, nz in (("exact", 0.0), ("noisy", noise))[: 2 if noise else 1]:
         rng = random.Random(12345)
         seqs, _st, specs, kinds, grids = Batcher(d, device).build(rng, n, with_answer=False)
         vecs = image_vectors({a: c.to(device) for a, c in codes.items()}, specs, layout)
@@ -784,7 +778,7 @@ def evaluate(
         hit: dict[str, list[int]] = {}
         for s, k, r in zip(specs, kinds, replies, strict=True):
             words = {id_to_word.get(t) for t in r}
-            hit.setdefault(k, []).append(int(_fact(k, s) in words))
+            hit.setdefault(k, []).append(int(fact(k, s) in words))
         out[label] = {k: sum(v) / len(v) for k, v in hit.items()}
         out[label + "_examples"] = [
             [k, _key(s), r] for s, k, r in list(zip(specs, kinds, replies, strict=True))[:10]
@@ -821,11 +815,7 @@ def score(
         for k in sorted({1, frames})
     }
     if greedy:
-        out["greedy"] = {
-            k: v
-            for k, v in evaluate(lm, d, codes, device, noise=0.0, n=n, layout=layout).items()
-            if k == "exact"
-        }
+        out["greedy"] = evaluate(lm, d, codes, device, noise=0.0, n=n, layout=layout)
     return out | {"seconds": round(time.perf_counter() - t0, 1)}
 
 

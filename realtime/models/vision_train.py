@@ -496,7 +496,7 @@ def nearest_code_accuracy(
     averaged and decoded to that attribute's nearest code. Per-attribute accuracy."""
     import torch
 
-    from realtime.models.vision_codes import ATTRIBUTES, all_specs, frame_vectors
+    from realtime.models.vision_codes import ATTRIBUTES, PARTS, all_specs, fact, frame_vectors
 
     specs = all_specs()
     table = frame_vectors(codes, specs).to(device)
@@ -506,20 +506,16 @@ def nearest_code_accuracy(
         for pv, grid, _tgt, spec in data:
             out = model(pv.to(device, torch.float32), grid_thw=grid[None].to(device)).pooler_output
             if layout == "place":
-                for k, a in enumerate(hits):
-                    mean = out[k::4].mean(0)
+                for k, a in enumerate(PARTS):
+                    mean = out[k :: len(PARTS)].mean(0)
                     best_i = int((codes[a].to(device) - mean).norm(dim=-1).argmin())
-                    hits[a] += ATTRIBUTES[a][best_i] == _fact_of(a, spec)
+                    hits[a] += ATTRIBUTES[a][best_i] == fact(a, spec)
                 continue
             best = specs[int((table - out.mean(0)).norm(dim=-1).argmin())]
             for a in hits:
                 hits[a] += getattr(best, a) == getattr(spec, a)
     model.train()
     return {a: h / len(data) for a, h in hits.items()}
-
-
-def _fact_of(attribute: str, spec: FrameSpec) -> str:
-    return COUNT_WORDS[spec.count] if attribute == "count" else str(getattr(spec, attribute))
 
 
 def nearest_target_accuracy(model: Any, data: list[Any], targets: Targets) -> dict[str, Any]:
