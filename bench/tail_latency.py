@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import itertools
 import json
 import os
 import platform
@@ -55,6 +57,30 @@ def quantiles(values: list[float]) -> dict[str, float]:
         values = [*values, *values] or [0.0, 0.0]  # statistics.quantiles needs two points
     q = statistics.quantiles(values, n=100, method="inclusive")
     return {"p50": round(q[49], 2), "p90": round(q[89], 2), "p99": round(q[98], 2)}
+
+
+def parse_cpus(text: str) -> set[int]:
+    """'0', '0,2' or '0-3' as a set of CPU ids."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_front(cpus: set[int]) -> None:
+    """Every thread of this process (the front end) and of its children (EngineCore) onto
+    `cpus`; the worker, EngineCore's child, keeps its own binding. Affinity is per thread on
+    Linux, so each task is set."""
+    me = os.getpid()
+    pids = [me]
+    for task in Path(f"/proc/{me}/task").iterdir():
+        children = (task / "children").read_text().split()
+        pids += [int(c) for c in children]
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(int(task.name), cpus)
 
 
 def loadavg() -> list[float]:
@@ -99,6 +125,8 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     load_before = loadavg()
     steal_before = cpu_steal_jiffies()
     engine = start_engine(settings)
+    if args.pin_front:
+        pin_front(parse_cpus(args.pin_front))
     records: list[dict[str, Any]] = []
     final: dict[str, Any] = {}
     idle_total = idle_skipped = 0
@@ -476,6 +504,18 @@ def main(argv: list[str] | None = None) -> int:
         "after each session, engine stopped; 0 skips it",
     )
     parser.add_argument(
+        "--omp-binds",
+        default=None,
+        help="run each session once per value of VLLM_CPU_OMP_THREADS_BIND (comma-separated, "
+        "e.g. 'nobind,1': the worker's OpenMP threads left to the OS, or pinned to CPU 1)",
+    )
+    parser.add_argument(
+        "--pin-front",
+        default=None,
+        help="CPUs (e.g. '0') for every thread of this process and of EngineCore once the "
+        "engine runs: the worker then has the other CPUs to itself",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="tracemalloc in the worker from the first tenth on (slows it: finds leaks, not tails)",
@@ -487,15 +527,25 @@ def main(argv: list[str] | None = None) -> int:
     names = {"text": TEXT_MODEL, "video": VIDEO_MODEL}
     runs = []
     arenas = args.malloc_arenas.split(",") if args.malloc_arenas else [None]
+    binds = args.omp_binds.split(",") if args.omp_binds else [None]
     for key in args.models.split(","):
         for mode in args.modes.split(","):
-            for arena in arenas:
+            for arena, bind in itertools.product(arenas, binds):
                 if arena is not None:
                     # Read by glibc when each engine process starts (they inherit it).
                     value = str(8 * (os.cpu_count() or 1)) if arena == "glibc" else arena
                     os.environ["MALLOC_ARENA_MAX"] = value
+                if bind is not None:  # read by vLLM when it starts the worker
+                    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
                 run = asyncio.run(run_session(args, names[key.strip()], mode.strip()))
-                runs.append({"malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX")} | run)
+                runs.append(
+                    {
+                        "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
+                        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                        "pin_front": args.pin_front,
+                    }
+                    | run
+                )
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "over_2x_p50"}))
     doc = {
         "bench": "tail_latency",

@@ -97,7 +97,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import websockets
 
     settings = _engine_settings(
-        MODEL,
+        str(args.model_dir) if args.model_dir else MODEL,
         max_model_len=1024,
         kv_cache_memory_bytes=64 << 20,
         block_size=args.block_size,
@@ -177,6 +177,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"chunk {n}: frames {len(frame_rows)} {time.perf_counter() - t0:.0f}s",
                     flush=True,
                 )
+    if args.records:
+        args.records.parent.mkdir(parents=True, exist_ok=True)
+        args.records.write_text("".join(json.dumps(r) + "\n" for r in frame_rows + probe_rows))
 
     def acc(rows: list[dict[str, Any]]) -> float:
         rows = [r for r in rows if r["asked"]]
@@ -218,6 +221,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "consolidations_at_end": frame_rows[-1]["consolidations"],
         "kv_blocks_at_end": frame_rows[-1]["kv_blocks"],
         "seconds": time.perf_counter() - t0,
+        "model_dir": args.model_dir.name if args.model_dir else None,
         "probes": probe_rows,
         "frames_sample": frame_rows[:10] + frame_rows[-10:],
     }
@@ -235,6 +239,10 @@ def main() -> None:
     )
     ap.add_argument("--ask-every", type=int, default=1, help="answer every k-th frame")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--records", type=Path, help="every frame's row (JSON lines)")
+    ap.add_argument(
+        "--model-dir", type=Path, help="a built smol-qwen2-vl elsewhere (other tower weights)"
+    )
     args = ap.parse_args()
     report = asyncio.run(run(args))
     print(

@@ -281,6 +281,7 @@ def _fake_codes_data() -> dict[str, Any]:
             for i, k in enumerate(kinds)
         },
         "names": {str(i): w for w, i in name_id.items()},
+        "words": {a: {w: name_id[w] for w in ws} for a, ws in vc.ATTRIBUTES.items()},
     }
 
 
@@ -333,6 +334,47 @@ def test_multi_frame_chats_carry_one_vector_per_image_and_every_reply() -> None:
         assert x[b, 0].abs().sum() == 0  # text slots keep their (here zero) embeddings
     evals = vc.build_chats(d, random.Random(3), 6, frames=4, last_answer=False)
     assert all(c.replies[-1][0] == c.replies[-1][1] == len(c.ids) for c in evals)
+
+
+def test_wrong_earlier_replies_repeat_one_wrong_word_and_stay_out_of_the_loss() -> None:
+    """Sessions answered "The colour is white." and later frames copied it; chats with such a
+    streak teach the codes to be read past it. The wrong replies name one word per chat, never
+    the frame's own fact, the last reply is always right, and the loss skips the wrong ones."""
+    import torch
+
+    from realtime.models import vision_codes as vc
+
+    d = _fake_codes_data()
+    names = {int(i): w for i, w in d["names"].items()}
+    chats = vc.build_chats(d, random.Random(5), 40, frames=6, mistakes=1.0)
+    assert sum(len(c.wrong) for c in chats) > 40
+    for c in chats:
+        assert len(c.replies) - 1 not in c.wrong
+        said: dict[str, set[str]] = {}
+        for r, (start, end, kind) in enumerate(c.replies):
+            spec = c.specs[vc._image_before(c, start)]
+            words = {names[t] for t in c.ids[start:end] if t in names}
+            if r in c.wrong:
+                assert vc.fact(kind, spec) not in words
+                said.setdefault(kind, set()).update(words)
+            else:
+                assert c.ids[start:end] == d["answers"][kind][vc._key(spec)]
+        assert all(len(w) == 1 for w in said.values())  # a streak: one wrong word per kind
+    # Without mistakes the chats are the same as before the option existed (same draws).
+    plain = vc.build_chats(d, random.Random(5), 5, frames=6)
+    assert all(not c.wrong for c in plain)
+    assert [c.ids for c in plain] == [c.ids for c in vc.build_chats(d, random.Random(5), 5, 6)]
+
+    lm = _FakeLM()
+    codes = {
+        a: torch.nn.Parameter(torch.randn(len(ws), 8, generator=torch.Generator().manual_seed(1)))
+        for a, ws in vc.ATTRIBUTES.items()
+    }
+    one = [c for c in chats if c.wrong][:1]
+    right_only = vc.Chat(one[0].ids, one[0].specs, one[0].replies, one[0].grid, frozenset())
+    a = vc.chat_loss(lm, codes, one, 0.0, None, "place")  # type: ignore[arg-type]
+    b = vc.chat_loss(lm, codes, [right_only], 0.0, None, "place")  # type: ignore[arg-type]
+    assert float(a) != float(b)  # the wrong replies' tokens are not scored
 
 
 def test_chat_loss_reaches_the_codes_and_the_chat_score_is_a_rate() -> None:

@@ -366,23 +366,53 @@ class Chat:
     specs: list[FrameSpec]  # one per image, in order
     replies: list[tuple[int, int, str]]  # (start, end, kind) of each answered frame's reply
     grid: tuple[int, int]
+    wrong: frozenset[int] = frozenset()  # indices into `replies` that name a wrong word
+
+
+# Words a wrong earlier reply may name, per question kind. A colour reply may name a background
+# word: in sessions the LM answered "The colour is white." (the background column read as the
+# object's colour) and later frames copied it.
+_WRONG_POOL = {
+    "colour": "background",
+    "describe": "background",
+    "shape": "shape",
+    "count": "count",
+    "background": "background",
+}
 
 
 def build_chats(
-    d: dict[str, Any], rng: random.Random, n: int, frames: int, last_answer: bool = True
+    d: dict[str, Any],
+    rng: random.Random,
+    n: int,
+    frames: int,
+    last_answer: bool = True,
+    mistakes: float = 0.0,
+    spread: bool = False,
 ) -> list[Chat]:
     """`n` chats of `frames` frames. Why: a small LM given several frames copies its earlier
     replies (docs/vlm.md, video fidelity); codes tuned on such chats are read against that pull.
     Half the chats ask one question of every frame (as `bench/vlm_fidelity.py` and the webcam
     page do: the strongest pull to copy), half a random one per frame. The last frame is always
-    asked; `last_answer` False leaves its reply out (greedy evaluation)."""
+    asked; `last_answer` False leaves its reply out (greedy evaluation). `mistakes`: the chance
+    that an earlier reply names the chat's one wrong word instead of its frame's (a streak, as
+    greedy sessions make them; `spread`: each chat draws its own chance from [0, `mistakes`],
+    so some chats are all streak); `chat_loss` leaves those replies out, so the codes learn to
+    read the frame past a streak, not to make one."""
     chats = []
+    names = {int(i): w for i, w in d["names"].items()}
     for _ in range(n):
         grid = rng.choice(GRIDS)
         ntok = grid[0] * grid[1] // 4
         ids = list(rng.choice(d["heads"])) + (list(d["intro"]) if rng.random() < 0.5 else [])
         fixed = rng.choice(list(QUESTIONS)) if rng.random() < 0.5 else None
-        specs, replies = [], []
+        specs, replies, wrong = [], [], set()
+        stuck = (  # drawn only with mistakes, so chats without them stay as they were
+            {k: rng.choice(list(d["words"][pool].values())) for k, pool in _WRONG_POOL.items()}
+            if mistakes
+            else {}
+        )
+        rate = rng.uniform(0.0, mistakes) if mistakes and spread else mistakes
         for i in range(frames):
             s = random_spec(rng)
             specs.append(s)
@@ -397,11 +427,17 @@ def build_chats(
                 replies.append((len(ids), len(ids), kind))
                 break
             start = len(ids)
-            ids += d["answers"][kind][_key(s)]
+            reply = list(d["answers"][kind][_key(s)])
+            if not last and rate and rng.random() < rate:
+                at = next(j for j, t in enumerate(reply) if names.get(t) == fact(kind, s))
+                if names.get(stuck[kind]) != fact(kind, s):
+                    reply[at] = stuck[kind]
+                    wrong.add(len(replies))
+            ids += reply
             replies.append((start, len(ids), kind))
             if not last:
                 ids += d["newline"]  # the reply's turn closes with "<|im_end|>\n"
-        chats.append(Chat(ids, specs, replies, grid))
+        chats.append(Chat(ids, specs, replies, grid, frozenset(wrong)))
     return chats
 
 
@@ -458,7 +494,9 @@ def chat_loss(
     h = lm.hidden(x, batch_positions([c.ids for c in chats], [c.grid for c in chats], lm.device))
     rows, cols, ys = [], [], []
     for b, c in enumerate(chats):
-        for start, end, _kind in c.replies:
+        for r, (start, end, _kind) in enumerate(c.replies):
+            if r in c.wrong:
+                continue
             for j in range(start, end):
                 rows.append(b)
                 cols.append(j - 1)
@@ -560,9 +598,13 @@ def tune(
     dtype: Any = None,
     layout: str = "sum",
     save_every: int = 0,
+    mistakes: float = 0.0,
+    spread: bool = False,
 ) -> dict[str, Any]:
-    """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every reply
-    in the loss. `init`: start from these codes (a single-frame tuning) instead of the words."""
+    """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every right
+    reply in the loss; `mistakes` of the earlier replies name a wrong word (`spread`: a chance
+    per chat, drawn up to `mistakes`; `build_chats`). `init`: start from
+    these codes (a single-frame tuning) instead of the words."""
     import torch
 
     torch.manual_seed(seed)
@@ -587,7 +629,9 @@ def tune(
     t0 = time.perf_counter()
     for step in range(steps):
         if frames > 1:
-            chats = build_chats(d, rng, batch, rng.randint(1, frames))
+            chats = build_chats(
+                d, rng, batch, rng.randint(1, frames), mistakes=mistakes, spread=spread
+            )
             loss = chat_loss(lm, codes, chats, noise * scale / 24.0, gen, layout)
         else:
             batch_ = bat.build(rng, batch)
@@ -614,11 +658,33 @@ def tune(
         "eval": evaluate(lm, d, final, device, noise=noise * scale / 24.0, n=n_eval, layout=layout),
     }
     if frames > 1:
-        info["eval_chats"] = {
-            f"frames_{k}": evaluate_chats(lm, d, final, frames=k, n=n_eval // 2, layout=layout)
-            for k in (1, frames)
-        }
+        info["eval_chats"] = chat_scores(lm, d, final, frames, n_eval // 2, layout)
     return info
+
+
+def chat_scores(
+    lm: TextModel,
+    d: dict[str, Any],
+    codes: dict[str, Any],
+    frames: int,
+    n: int,
+    layout: str,
+    tower: Any = None,
+) -> dict[str, Any]:
+    """`evaluate_chats` at 1 and `frames` frames, and at `frames` with a third, then all, of
+    the earlier replies naming one wrong word (a streak to copy)."""
+    out = {
+        f"frames_{k}": evaluate_chats(lm, d, codes, frames=k, n=n, layout=layout, tower=tower)
+        for k in sorted({1, frames})
+    }
+    if frames > 1:
+        out[f"frames_{frames}_mistakes"] = evaluate_chats(
+            lm, d, codes, frames=frames, n=n, layout=layout, mistakes=0.33, tower=tower
+        )
+        out[f"frames_{frames}_streak"] = evaluate_chats(
+            lm, d, codes, frames=frames, n=n, layout=layout, mistakes=1.0, tower=tower
+        )
+    return out
 
 
 def _save_codes(
@@ -670,13 +736,17 @@ def evaluate_chats(
     n: int = 200,
     batch: int = 25,
     layout: str = "sum",
+    mistakes: float = 0.0,
+    tower: Any = None,
 ) -> dict[str, Any]:
     """Is the last frame of `frames`-frame chats read, or an earlier reply copied? Teacher-
     forced (one forward per chat, exact codes): at the first word of the last reply that names
     a fact of the asked kind, the model's top token is scored. "same": chats that ask one
     question of every frame (where copying pays most), "mixed": a random one per frame;
     "copied_previous": the top token names the previous answered frame's fact instead (where
-    the two differ)."""
+    the two differ). `mistakes`: earlier replies name wrong words (`build_chats`). `tower`:
+    the slots carry a vision tower's outputs for drawn frames instead of the exact codes (what
+    the LM reads through vLLM)."""
     import torch
 
     names = {int(i): w for i, w in d["names"].items()}
@@ -685,8 +755,11 @@ def evaluate_chats(
     copied = differs = 0
     dev_codes = {a: c.to(lm.device) for a, c in codes.items()}
     for first in range(0, n, batch):
-        chats = build_chats(d, rng, min(batch, n - first), frames)
-        vecs = image_vectors(dev_codes, [s for c in chats for s in c.specs], layout)
+        chats = build_chats(d, rng, min(batch, n - first), frames, mistakes=mistakes)
+        if tower is None:
+            vecs = image_vectors(dev_codes, [s for c in chats for s in c.specs], layout)
+        else:
+            vecs = tower_vectors(tower, chats, random.Random(first), lm.device)
         with torch.no_grad():
             x = embed_chats(lm, chats, vecs, 0.0, None)
             h = lm.hidden(
@@ -709,6 +782,30 @@ def evaluate_chats(
         "n": n,
         "copied_previous": round(copied / differs, 3) if differs else None,
     }
+
+
+def tower_vectors(tower: Any, chats: list[Chat], rng: random.Random, device: str) -> Any:
+    """[images, 16, dim]: `tower`'s merged patch outputs for each chat's frames, drawn at its
+    grid's size and sent through JPEG and the processor as the server receives them (12-token
+    frames leave their last 4 rows unused)."""
+    import torch
+
+    from realtime.models.synth_frames import draw_frame
+    from realtime.models.vision_train import jpeg, processor
+
+    proc = processor()
+    rows = []
+    for c in chats:
+        size = (c.grid[1] * 14, c.grid[0] * 14)
+        for spec in c.specs:
+            img, _mask = draw_frame(spec, rng, size)
+            px = proc(images=[jpeg(img, rng)], return_tensors="pt")
+            grid = px["image_grid_thw"]
+            assert tuple(int(g) for g in grid[0][1:]) == c.grid, (grid, c.grid)
+            with torch.no_grad():
+                out = tower(px["pixel_values"].float(), grid_thw=grid).pooler_output
+            rows.append(torch.nn.functional.pad(out, (0, 0, 0, 16 - out.shape[0])))
+    return torch.stack(rows).to(device)
 
 
 _ATTRIBUTE_OF = {
@@ -795,6 +892,7 @@ def score(
     bf16: bool,
     layout: str = "sum",
     greedy: bool = False,
+    tower_path: Path | None = None,
 ) -> dict[str, Any]:
     """`evaluate_chats` of saved codes (in the layout they were tuned for) or, without, of the
     word-embedding start in `layout`; `greedy` adds `evaluate`'s single-frame replies."""
@@ -809,11 +907,16 @@ def score(
         layout = codes_layout(codes_path, layout)
     else:
         codes = word_codes(lm, d, layout)
+    tower = None
+    if tower_path is not None:
+        from safetensors.torch import load_file
+
+        from realtime.models.smol_vlm import vision_model
+
+        weights = {k: v.float() for k, v in load_file(str(tower_path)).items()}
+        tower = vision_model(weights).eval()
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"layout": layout} | {
-        f"frames_{k}": evaluate_chats(lm, d, codes, frames=k, n=n, layout=layout)
-        for k in sorted({1, frames})
-    }
+    out: dict[str, Any] = {"layout": layout} | chat_scores(lm, d, codes, frames, n, layout, tower)
     if greedy:
         out["greedy"] = evaluate(lm, d, codes, device, noise=0.0, n=n, layout=layout)
     return out | {"seconds": round(time.perf_counter() - t0, 1)}
@@ -844,7 +947,14 @@ def main() -> None:
     p.add_argument("--eval-only", action="store_true", help="score --init's codes, no tuning")
     p.add_argument("--layout", choices=LAYOUTS, default="sum", help="how codes fill the slots")
     p.add_argument("--greedy", action="store_true", help="--eval-only: single-frame replies too")
+    p.add_argument("--tower", type=Path, help="--eval-only: fill the images with its outputs")
     p.add_argument("--save-every", type=int, default=100, help="write --out every N steps")
+    p.add_argument(
+        "--mistakes", type=float, default=0.0, help="chance an earlier reply names a wrong word"
+    )
+    p.add_argument(
+        "--spread", action="store_true", help="each chat draws its chance up to --mistakes"
+    )
     args = ap.parse_args()
     if args.cmd == "prepare":
         from realtime.models import build_model
@@ -866,6 +976,7 @@ def main() -> None:
                     args.bf16,
                     layout=args.layout,
                     greedy=args.greedy,
+                    tower_path=args.tower,
                 )
             )
         )
@@ -887,6 +998,8 @@ def main() -> None:
             dtype=torch.bfloat16 if args.bf16 else None,
             layout=args.layout,
             save_every=args.save_every,
+            mistakes=args.mistakes,
+            spread=args.spread,
         )
         print(json.dumps(info))
 
