@@ -377,6 +377,33 @@ def test_wrong_earlier_replies_repeat_one_wrong_word_and_stay_out_of_the_loss() 
     assert float(a) != float(b)  # the wrong replies' tokens are not scored
 
 
+def test_drifting_chats_turn_terse_from_one_frame_on_and_stay_terse() -> None:
+    """A long session's replies drifted from "The colour is green." to "Green." and then copied
+    it; drifting chats train the codes to be read in that format too. From one answered frame
+    on, every reply (the last, scored one too) is the terse form; its wrong ones are another
+    frame's terse reply."""
+    from realtime.models import vision_codes as vc
+
+    d = _fake_codes_data()
+    name_id = {w: int(i) for i, w in d["names"].items()}
+    d["short"] = {
+        k: {vc._key(s): [400, name_id[vc.fact(k, s)], 2] for s in vc.all_specs()}
+        for k in vc.QUESTIONS
+    }
+    chats = vc.build_chats(d, random.Random(9), 30, frames=6, mistakes=0.5, drift=1.0)
+    for c in chats:
+        terse = [c.ids[start] == 400 for start, _end, _kind in c.replies]
+        assert terse[-1] and terse == sorted(terse)  # once terse, terse to the end
+        for r, (start, end, kind) in enumerate(c.replies):
+            spec = c.specs[vc._image_before(c, start)]
+            right = d["short"][kind][vc._key(spec)] if terse[r] else None
+            if terse[r] and r not in c.wrong:
+                assert c.ids[start:end] == right
+            elif terse[r]:
+                assert c.ids[start:end] != right and c.ids[start] == 400
+    assert any(c.wrong for c in chats)
+
+
 def test_chat_loss_reaches_the_codes_and_the_chat_score_is_a_rate() -> None:
     import torch
 

@@ -110,6 +110,15 @@ def prepare(model_dir: Path) -> dict[str, Any]:
         kind: {_key(s): ids(answer(kind, s) + "<|im_end|>") for s in all_specs()}
         for kind in QUESTIONS
     }
+    # The terse replies a session drifts into ("Green."), where the fact word is one token.
+    short = {
+        kind: {
+            _key(s): v + ids("<|im_end|>")
+            for s in all_specs()
+            if len(v := ids(fact(kind, s).capitalize() + ".")) == 2
+        }
+        for kind in QUESTIONS
+    }
     words = {a: {w: ids(" " + w) for w in ws} for a, ws in ATTRIBUTES.items()}
     assert all(len(v) == 1 for ws in words.values() for v in ws.values())
     # Single-token spellings that name a word in a reply (" circle", " circles", "Red", ...).
@@ -131,6 +140,7 @@ def prepare(model_dir: Path) -> dict[str, Any]:
         "newline": ids("\n"),
         "questions": questions,
         "answers": answers,
+        "short": short,
         "words": {a: {w: v[0] for w, v in ws.items()} for a, ws in words.items()},
         "names": names,
         "pad": tok.pad_token_id or 0,
@@ -389,6 +399,7 @@ def build_chats(
     last_answer: bool = True,
     mistakes: float = 0.0,
     spread: bool = False,
+    drift: float = 0.0,
 ) -> list[Chat]:
     """`n` chats of `frames` frames. Why: a small LM given several frames copies its earlier
     replies (docs/vlm.md, video fidelity); codes tuned on such chats are read against that pull.
@@ -398,7 +409,9 @@ def build_chats(
     that an earlier reply names the chat's one wrong word instead of its frame's (a streak, as
     greedy sessions make them; `spread`: each chat draws its own chance from [0, `mistakes`],
     so some chats are all streak); `chat_loss` leaves those replies out, so the codes learn to
-    read the frame past a streak, not to make one."""
+    read the frame past a streak, not to make one. `drift`: the chance that a chat's replies
+    turn terse from some frame on ("Green.", as a 1,000-frame session's did), the last one too;
+    its wrong replies are then another frame's terse reply."""
     chats = []
     names = {int(i): w for i, w in d["names"].items()}
     for _ in range(n):
@@ -413,6 +426,9 @@ def build_chats(
             else {}
         )
         rate = rng.uniform(0.0, mistakes) if mistakes and spread else mistakes
+        # Drawn only with drift, so chats without it stay as they were.
+        terse_from = rng.randint(0, frames - 1) if drift and rng.random() < drift else frames
+        decoy = random_spec(rng) if drift else None
         for i in range(frames):
             s = random_spec(rng)
             specs.append(s)
@@ -427,12 +443,21 @@ def build_chats(
                 replies.append((len(ids), len(ids), kind))
                 break
             start = len(ids)
-            reply = list(d["answers"][kind][_key(s)])
-            if not last and rate and rng.random() < rate:
-                at = next(j for j, t in enumerate(reply) if names.get(t) == fact(kind, s))
-                if names.get(stuck[kind]) != fact(kind, s):
-                    reply[at] = stuck[kind]
+            terse = d.get("short", {}).get(kind, {})
+            if i >= terse_from and _key(s) in terse:
+                reply = list(terse[_key(s)])
+                assert decoy is not None
+                other = _key(decoy) in terse and fact(kind, decoy) != fact(kind, s)
+                if not last and rate and rng.random() < rate and other:
+                    reply = list(terse[_key(decoy)])
                     wrong.add(len(replies))
+            else:
+                reply = list(d["answers"][kind][_key(s)])
+                if not last and rate and rng.random() < rate:
+                    at = next(j for j, t in enumerate(reply) if names.get(t) == fact(kind, s))
+                    if names.get(stuck[kind]) != fact(kind, s):
+                        reply[at] = stuck[kind]
+                        wrong.add(len(replies))
             ids += reply
             replies.append((start, len(ids), kind))
             if not last:
@@ -600,6 +625,7 @@ def tune(
     save_every: int = 0,
     mistakes: float = 0.0,
     spread: bool = False,
+    drift: float = 0.0,
 ) -> dict[str, Any]:
     """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every right
     reply in the loss; `mistakes` of the earlier replies name a wrong word (`spread`: a chance
@@ -630,7 +656,13 @@ def tune(
     for step in range(steps):
         if frames > 1:
             chats = build_chats(
-                d, rng, batch, rng.randint(1, frames), mistakes=mistakes, spread=spread
+                d,
+                rng,
+                batch,
+                rng.randint(1, frames),
+                mistakes=mistakes,
+                spread=spread,
+                drift=drift,
             )
             loss = chat_loss(lm, codes, chats, noise * scale / 24.0, gen, layout)
         else:
@@ -672,7 +704,7 @@ def chat_scores(
     tower: Any = None,
 ) -> dict[str, Any]:
     """`evaluate_chats` at 1 and `frames` frames, and at `frames` with a third, then all, of
-    the earlier replies naming one wrong word (a streak to copy)."""
+    the earlier replies naming one wrong word (a streak to copy), then with terse replies."""
     out = {
         f"frames_{k}": evaluate_chats(lm, d, codes, frames=k, n=n, layout=layout, tower=tower)
         for k in sorted({1, frames})
@@ -684,6 +716,18 @@ def chat_scores(
         out[f"frames_{frames}_streak"] = evaluate_chats(
             lm, d, codes, frames=frames, n=n, layout=layout, mistakes=1.0, tower=tower
         )
+        if "short" in d:  # terse replies from a random frame on, every earlier one wrong
+            out[f"frames_{frames}_terse_streak"] = evaluate_chats(
+                lm,
+                d,
+                codes,
+                frames=frames,
+                n=n,
+                layout=layout,
+                mistakes=1.0,
+                tower=tower,
+                drift=1.0,
+            )
     return out
 
 
@@ -738,6 +782,7 @@ def evaluate_chats(
     layout: str = "sum",
     mistakes: float = 0.0,
     tower: Any = None,
+    drift: float = 0.0,
 ) -> dict[str, Any]:
     """Is the last frame of `frames`-frame chats read, or an earlier reply copied? Teacher-
     forced (one forward per chat, exact codes): at the first word of the last reply that names
@@ -755,7 +800,7 @@ def evaluate_chats(
     copied = differs = 0
     dev_codes = {a: c.to(lm.device) for a, c in codes.items()}
     for first in range(0, n, batch):
-        chats = build_chats(d, rng, min(batch, n - first), frames, mistakes=mistakes)
+        chats = build_chats(d, rng, min(batch, n - first), frames, mistakes=mistakes, drift=drift)
         if tower is None:
             vecs = image_vectors(dev_codes, [s for c in chats for s in c.specs], layout)
         else:
@@ -955,6 +1000,7 @@ def main() -> None:
     p.add_argument(
         "--spread", action="store_true", help="each chat draws its chance up to --mistakes"
     )
+    p.add_argument("--drift", type=float, default=0.0, help="chance a chat's replies turn terse")
     args = ap.parse_args()
     if args.cmd == "prepare":
         from realtime.models import build_model
@@ -1000,6 +1046,7 @@ def main() -> None:
             save_every=args.save_every,
             mistakes=args.mistakes,
             spread=args.spread,
+            drift=args.drift,
         )
         print(json.dumps(info))
 
