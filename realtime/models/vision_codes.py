@@ -629,8 +629,8 @@ def tune(
 ) -> dict[str, Any]:
     """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every right
     reply in the loss; `mistakes` of the earlier replies name a wrong word (`spread`: a chance
-    per chat, drawn up to `mistakes`; `build_chats`). `init`: start from
-    these codes (a single-frame tuning) instead of the words."""
+    per chat, drawn up to `mistakes`), `drift` of the chats turn terse (`build_chats`). `init`:
+    start from these codes (a single-frame tuning) instead of the words."""
     import torch
 
     torch.manual_seed(seed)
@@ -789,7 +789,8 @@ def evaluate_chats(
     a fact of the asked kind, the model's top token is scored. "same": chats that ask one
     question of every frame (where copying pays most), "mixed": a random one per frame;
     "copied_previous": the top token names the previous answered frame's fact instead (where
-    the two differ). `mistakes`: earlier replies name wrong words (`build_chats`). `tower`:
+    the two differ). `mistakes`, `drift`: earlier replies name wrong words, replies turn
+    terse (`build_chats`). `tower`:
     the slots carry a vision tower's outputs for drawn frames instead of the exact codes (what
     the LM reads through vLLM)."""
     import torch
