@@ -59,15 +59,6 @@ def quantiles(values: list[float]) -> dict[str, float]:
     return {"p50": round(q[49], 2), "p90": round(q[89], 2), "p99": round(q[98], 2)}
 
 
-def parse_cpus(text: str) -> set[int]:
-    """'0', '0,2' or '0-3' as a set of CPU ids."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def pin_front(cpus: set[int]) -> None:
     """Every thread of this process (the front end) and of its children (EngineCore) onto
     `cpus`; the worker, EngineCore's child, keeps its own binding. Affinity is per thread on
@@ -126,7 +117,10 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     steal_before = cpu_steal_jiffies()
     engine = start_engine(settings)
     if args.pin_front:
-        pin_front(parse_cpus(args.pin_front))
+        # The CPU-list syntax of VLLM_CPU_OMP_THREADS_BIND, parsed by vLLM's own parser.
+        from vllm.utils.cpu_resource_utils import parse_id_list
+
+        pin_front(set(parse_id_list(args.pin_front)))
     records: list[dict[str, Any]] = []
     final: dict[str, Any] = {}
     idle_total = idle_skipped = 0
