@@ -14,10 +14,12 @@ it?" and is answered; the others are ingested (`reply: false`), as a watching cl
   frames of evictions and consolidations changed, not which frames were drawn (unpaired, two
   samples of 100 differ by ~7 points by chance alone).
 * **Recall inside vs outside the window**: every `--probe-every` frames a *marker* frame shows a
-  purple shape (no other frame is purple), and a few chunks later a text turn asks which colours
-  the model has seen (the question names none). A probe is *near* (marker 2 chunks back: inside
-  the window, its frame and the model's reply to it still in the KV) or *far* (marker
-  `window + 8` chunks back: evicted). A probe scores when the reply names purple; near and far
+  purple shape (no other frame is purple), and later a text turn asks which colours the model
+  has seen (the question names none). A probe is *near* (marker `--near-gap` chunks back,
+  default 1: the chunk before the probe, inside the window, its frame and the model's reply to
+  it still in the KV) or *far* (marker `window + 8` chunks back: evicted). The 135M LM answers a
+  probe in its frames' reply format, naming one colour: the last frame's, or the one its last
+  replies named (session 16: 0/19 with the marker 2 chunks back). A probe scores when the reply names purple; near and far
   probes alternate. The far score is the rate of naming purple with the marker gone.
 
     python -m bench.vlm_fidelity --frames 1000 --out docs/bench/vlm_fidelity.json
@@ -55,7 +57,9 @@ def _jpeg(img: Any) -> str:
 PAIRED = 100  # the last PAIRED frames replay the first PAIRED
 
 
-def schedule(frames: int, window: int, probe_every: int) -> list[tuple[str, Any]]:
+def schedule(
+    frames: int, window: int, probe_every: int, near_gap: int = 1
+) -> list[tuple[str, Any]]:
     """The session's chunks: ("frame", (n, spec, pixel seed)) or ("probe", "near"|"far"),
     deterministic. With `frames` >= 2 * PAIRED, frame n of the last PAIRED replays frame
     n - (frames - PAIRED): same spec, same pixel seed (markers included)."""
@@ -86,11 +90,27 @@ def schedule(frames: int, window: int, probe_every: int) -> list[tuple[str, Any]
         if spec.colour == MARKER:
             kind = "near" if probe_no % 2 == 0 else "far"
             probe_no += 1
-            markers[idx + (2 if kind == "near" else far_gap)] = kind
+            markers[idx + (near_gap if kind == "near" else far_gap)] = kind
         drawn.append((spec, seed))
         chunks.append(("frame", (n_frames, spec, seed)))
         n_frames += 1
     return chunks
+
+
+def reply_format(kind: str) -> dict[str, Any]:
+    """`free`: free text. `sentence`: every reply (probes too) is one of the sentences the codes
+    were tuned on, "The colour is <c>.", as a JSON string (the session's response_format): the
+    reply's form is fixed, so what is measured is whether the colour word is read or copied,
+    not whether a 135M LM keeps its format over 1,000 replies."""
+    if kind == "free":
+        return {}
+    schema = {"type": "string", "enum": [f"The colour is {c}." for c in COLOURS]}
+    return {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "colour_sentence", "schema": schema},
+        }
+    }
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -103,12 +123,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         extra={"limit_mm_per_prompt": {"image": 1, "video": 1}},
     )
-    chunks = schedule(args.frames, args.window, args.probe_every)
+    chunks = schedule(args.frames, args.window, args.probe_every, args.near_gap)
     frame_rows: list[dict[str, Any]] = []
     probe_rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     async with (
-        serve(settings, MODEL, max_sessions=2) as srv,
+        serve(settings, MODEL, max_sessions=2, retention_max_position=args.max_position) as srv,
         websockets.connect(srv["url"], subprotocols=["vllm-realtime"]) as ws,
     ):
         await ws.recv()
@@ -120,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "modality": "video",
                     "instructions": INSTRUCTIONS,
                     "retention": retention,
-                    "sampling": {"max_tokens": args.max_tokens},
+                    "sampling": {"max_tokens": args.max_tokens} | reply_format(args.reply_format),
                 }
             )
         )
@@ -202,6 +222,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "ask_every": args.ask_every,
         "frame_prompt": QUESTIONS["colour"],
         "probe": PROBE,
+        "reply_format": args.reply_format,
+        "max_position": args.max_position,
+        "near_gap_chunks": args.near_gap,
+        "far_gap_chunks": args.window + 8,
         "current_frame_accuracy": {
             "frames_1_100": acc(first),
             "last_100": acc(last),
@@ -232,12 +256,30 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=1000)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--probe-every", type=int, default=25)
+    ap.add_argument(
+        "--near-gap",
+        type=int,
+        default=1,
+        help="chunks from a marker to its near probe (1: the probe follows the marker)",
+    )
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--sink", choices=["instructions", "frame"], default="instructions")
     ap.add_argument(
         "--block-size", type=int, default=32, help="KV block size: eviction frees whole blocks"
     )
     ap.add_argument("--ask-every", type=int, default=1, help="answer every k-th frame")
+    ap.add_argument(
+        "--reply-format",
+        choices=["free", "sentence"],
+        default="free",
+        help="sentence: replies constrained to 'The colour is <c>.' (a JSON string enum)",
+    )
+    ap.add_argument(
+        "--max-position",
+        type=int,
+        default=None,
+        help="the server's --retention-max-position (default: the model's trained range)",
+    )
     ap.add_argument("--out", type=Path)
     ap.add_argument("--records", type=Path, help="every frame's row (JSON lines)")
     ap.add_argument(

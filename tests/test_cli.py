@@ -30,7 +30,7 @@ def test_pinned_vllm_version_is_installed_and_others_are_refused() -> None:
 
 def test_models_list_shows_the_defaults() -> None:
     out = subprocess.run([str(BIN), "models", "list"], capture_output=True, text=True, check=True)
-    assert "tiny-qwen2-vl (default)" in out.stdout
+    assert "smol-qwen2-vl (default)" in out.stdout
     assert "smollm2-135m-instruct" in out.stdout and "built" in out.stdout
 
 
@@ -112,7 +112,7 @@ async def test_serve_answers_health_and_websocket() -> None:
         async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
             hello = json.loads(await ws.recv())
             assert hello["type"] == "session.created"
-            assert hello["limits"]["model"] == "tiny-qwen2-vl"
+            assert hello["limits"]["model"] == "smol-qwen2-vl"
     finally:
         proc.send_signal(signal.SIGINT)
         try:

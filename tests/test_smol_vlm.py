@@ -257,6 +257,13 @@ def test_fidelity_schedule_replays_the_first_frames_at_the_end() -> None:
     assert any(s.colour == MARKER for _, s, _ in first)  # markers (and their probes) replay too
     probes = [what for kind, what in chunks if kind == "probe"]
     assert {"near", "far"} <= set(probes)
+    # A near probe follows its marker (the default gap, 1); a far one comes window + 8 later.
+    for i, (kind, what) in enumerate(chunks):
+        if kind == "probe" and what == "near":
+            assert chunks[i - 1][0] == "frame" and chunks[i - 1][1][1].colour == MARKER
+    gap2 = schedule(300, window=8, probe_every=25, near_gap=2)
+    near2 = [i for i, (k, w) in enumerate(gap2) if k == "probe" and w == "near"]
+    assert near2 and all(gap2[i - 2][1][1].colour == MARKER for i in near2)
     # Too short to pair: no replay.
     short = [what for kind, what in schedule(150, window=8, probe_every=25) if kind == "frame"]
     assert [(s, seed) for _, s, seed in short[:50]] != [(s, seed) for _, s, seed in short[-50:]]
@@ -402,6 +409,29 @@ def test_drifting_chats_turn_terse_from_one_frame_on_and_stay_terse() -> None:
             elif terse[r]:
                 assert c.ids[start:end] != right and c.ids[start] == 400
     assert any(c.wrong for c in chats)
+
+
+def test_collapsed_chats_carry_degenerate_wrong_replies_out_of_the_loss() -> None:
+    """A 1,000-frame session fell into "The green of the green is the"; chats whose wrong
+    replies are such degenerate texts (one colour word per chat) train the codes to be read
+    past them. Those replies stay out of the loss, the scored last reply is a right one, and
+    `collapse` 0 draws nothing new (old chats unchanged)."""
+    from realtime.models import vision_codes as vc
+
+    d = _fake_codes_data()
+    d["collapsed"] = {w: [[500 + i, 501 + i, 502 + i], [600 + i, 2]] for i, w in enumerate("ab")}
+    degenerate = {tuple(v) for vs in d["collapsed"].values() for v in vs}
+    chats = vc.build_chats(d, random.Random(9), 40, frames=6, mistakes=1.0, collapse=1.0)
+    for c in chats:
+        texts = [tuple(c.ids[start:end]) for start, end, _kind in c.replies]
+        assert texts[-1] not in degenerate and len(c.replies) - 1 not in c.wrong
+        assert {r for r, t in enumerate(texts) if t in degenerate} == set(c.wrong)
+        words = {t[0] - (500 if t[0] < 600 else 600) for t in texts if t in degenerate}
+        assert len(words) <= 1  # one colour word per chat
+    assert any(c.wrong for c in chats)
+    plain = vc.build_chats(d, random.Random(9), 10, frames=6, mistakes=1.0)
+    again = vc.build_chats(d, random.Random(9), 10, frames=6, mistakes=1.0, collapse=0.0)
+    assert [c.ids for c in plain] == [c.ids for c in again]
 
 
 def test_chat_loss_reaches_the_codes_and_the_chat_score_is_a_rate() -> None:

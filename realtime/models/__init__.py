@@ -112,7 +112,9 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
         ),
     )
 }
-DEFAULT_SERVE_MODEL = "tiny-qwen2-vl"
+# The default of `make run`: a VLM whose replies mean something (issue #22). Tests that need no
+# meaning serve `tiny-qwen2-vl`, which builds and runs in seconds.
+DEFAULT_SERVE_MODEL = "smol-qwen2-vl"
 _MARKER = ".vllm-realtime-built"
 
 

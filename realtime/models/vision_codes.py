@@ -119,6 +119,12 @@ def prepare(model_dir: Path) -> dict[str, Any]:
         }
         for kind in QUESTIONS
     }
+    # Degenerate replies a long greedy session fell into (docs/vlm.md, session 16), one per
+    # colour word: a broken sentence cut by max_tokens, and the bare word.
+    collapsed = {
+        w: [ids(f"The {w} of the {w} is the"), ids(w.capitalize()) + ids("<|im_end|>")]
+        for w in ATTRIBUTES["colour"] + ATTRIBUTES["background"]
+    }
     words = {a: {w: ids(" " + w) for w in ws} for a, ws in ATTRIBUTES.items()}
     assert all(len(v) == 1 for ws in words.values() for v in ws.values())
     # Single-token spellings that name a word in a reply (" circle", " circles", "Red", ...).
@@ -141,6 +147,7 @@ def prepare(model_dir: Path) -> dict[str, Any]:
         "questions": questions,
         "answers": answers,
         "short": short,
+        "collapsed": collapsed,
         "words": {a: {w: v[0] for w, v in ws.items()} for a, ws in words.items()},
         "names": names,
         "pad": tok.pad_token_id or 0,
@@ -400,6 +407,7 @@ def build_chats(
     mistakes: float = 0.0,
     spread: bool = False,
     drift: float = 0.0,
+    collapse: float = 0.0,
 ) -> list[Chat]:
     """`n` chats of `frames` frames. Why: a small LM given several frames copies its earlier
     replies (docs/vlm.md, video fidelity); codes tuned on such chats are read against that pull.
@@ -411,7 +419,9 @@ def build_chats(
     so some chats are all streak); `chat_loss` leaves those replies out, so the codes learn to
     read the frame past a streak, not to make one. `drift`: the chance that a chat's replies
     turn terse from some frame on ("Green.", as a 1,000-frame session's did), the last one too;
-    its wrong replies are then another frame's terse reply."""
+    its wrong replies are then another frame's terse reply. `collapse`: the chance that a
+    chat's wrong replies are degenerate instead ("The green of the green is the", "White"),
+    one colour word per chat, as the 1,000-frame session of session 16 fell into."""
     chats = []
     names = {int(i): w for i, w in d["names"].items()}
     for _ in range(n):
@@ -429,6 +439,12 @@ def build_chats(
         # Drawn only with drift, so chats without it stay as they were.
         terse_from = rng.randint(0, frames - 1) if drift and rng.random() < drift else frames
         decoy = random_spec(rng) if drift else None
+        # Drawn only with collapse, so chats without it stay as they were.
+        garble = (
+            rng.choice(list(d["collapsed"].values()))
+            if collapse and rng.random() < collapse
+            else None
+        )
         for i in range(frames):
             s = random_spec(rng)
             specs.append(s)
@@ -444,7 +460,10 @@ def build_chats(
                 break
             start = len(ids)
             terse = d.get("short", {}).get(kind, {})
-            if i >= terse_from and _key(s) in terse:
+            if garble is not None and not last and rate and rng.random() < rate:
+                reply = list(rng.choice(garble))
+                wrong.add(len(replies))
+            elif i >= terse_from and _key(s) in terse:
                 reply = list(terse[_key(s)])
                 assert decoy is not None
                 other = _key(decoy) in terse and fact(kind, decoy) != fact(kind, s)
@@ -626,10 +645,12 @@ def tune(
     mistakes: float = 0.0,
     spread: bool = False,
     drift: float = 0.0,
+    collapse: float = 0.0,
 ) -> dict[str, Any]:
     """`frames` > 1: each batch is chats of 1..`frames` frames (`build_chats`), every right
     reply in the loss; `mistakes` of the earlier replies name a wrong word (`spread`: a chance
-    per chat, drawn up to `mistakes`), `drift` of the chats turn terse (`build_chats`). `init`:
+    per chat, drawn up to `mistakes`), `drift` of the chats turn terse, `collapse` of the chats'
+    wrong replies are degenerate (`build_chats`). `init`:
     start from these codes (a single-frame tuning) instead of the words."""
     import torch
 
@@ -663,6 +684,7 @@ def tune(
                 mistakes=mistakes,
                 spread=spread,
                 drift=drift,
+                collapse=collapse,
             )
             loss = chat_loss(lm, codes, chats, noise * scale / 24.0, gen, layout)
         else:
@@ -704,7 +726,8 @@ def chat_scores(
     tower: Any = None,
 ) -> dict[str, Any]:
     """`evaluate_chats` at 1 and `frames` frames, and at `frames` with a third, then all, of
-    the earlier replies naming one wrong word (a streak to copy), then with terse replies."""
+    the earlier replies naming one wrong word (a streak to copy), then with terse replies, then
+    with degenerate ones."""
     out = {
         f"frames_{k}": evaluate_chats(lm, d, codes, frames=k, n=n, layout=layout, tower=tower)
         for k in sorted({1, frames})
@@ -727,6 +750,18 @@ def chat_scores(
                 mistakes=1.0,
                 tower=tower,
                 drift=1.0,
+            )
+        if "collapsed" in d:  # every earlier reply degenerate ("The green of the green is the")
+            out[f"frames_{frames}_collapsed"] = evaluate_chats(
+                lm,
+                d,
+                codes,
+                frames=frames,
+                n=n,
+                layout=layout,
+                mistakes=1.0,
+                tower=tower,
+                collapse=1.0,
             )
     return out
 
@@ -783,14 +818,15 @@ def evaluate_chats(
     mistakes: float = 0.0,
     tower: Any = None,
     drift: float = 0.0,
+    collapse: float = 0.0,
 ) -> dict[str, Any]:
     """Is the last frame of `frames`-frame chats read, or an earlier reply copied? Teacher-
     forced (one forward per chat, exact codes): at the first word of the last reply that names
     a fact of the asked kind, the model's top token is scored. "same": chats that ask one
     question of every frame (where copying pays most), "mixed": a random one per frame;
     "copied_previous": the top token names the previous answered frame's fact instead (where
-    the two differ). `mistakes`, `drift`: earlier replies name wrong words, replies turn
-    terse (`build_chats`). `tower`:
+    the two differ). `mistakes`, `drift`, `collapse`: earlier replies name wrong words, replies
+    turn terse, wrong replies are degenerate (`build_chats`). `tower`:
     the slots carry a vision tower's outputs for drawn frames instead of the exact codes (what
     the LM reads through vLLM)."""
     import torch
@@ -801,7 +837,15 @@ def evaluate_chats(
     copied = differs = 0
     dev_codes = {a: c.to(lm.device) for a, c in codes.items()}
     for first in range(0, n, batch):
-        chats = build_chats(d, rng, min(batch, n - first), frames, mistakes=mistakes, drift=drift)
+        chats = build_chats(
+            d,
+            rng,
+            min(batch, n - first),
+            frames,
+            mistakes=mistakes,
+            drift=drift,
+            collapse=collapse,
+        )
         if tower is None:
             vecs = image_vectors(dev_codes, [s for c in chats for s in c.specs], layout)
         else:
@@ -1002,6 +1046,12 @@ def main() -> None:
         "--spread", action="store_true", help="each chat draws its chance up to --mistakes"
     )
     p.add_argument("--drift", type=float, default=0.0, help="chance a chat's replies turn terse")
+    p.add_argument(
+        "--collapse",
+        type=float,
+        default=0.0,
+        help="chance a chat's wrong replies are degenerate (needs --mistakes)",
+    )
     args = ap.parse_args()
     if args.cmd == "prepare":
         from realtime.models import build_model
@@ -1048,6 +1098,7 @@ def main() -> None:
             mistakes=args.mistakes,
             spread=args.spread,
             drift=args.drift,
+            collapse=args.collapse,
         )
         print(json.dumps(info))
 

@@ -112,6 +112,8 @@ class ServeProcess:
                 "32",
                 "--dtype",
                 "float32",
+                # Lifecycle, not meaning: the random-weight VLM starts in seconds.
+                *(() if "--model" in args else ("--model", "tiny-qwen2-vl")),
                 *args,
             ],
             cwd=ROOT,
