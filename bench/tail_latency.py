@@ -50,6 +50,11 @@ from bench.soak import slope
 
 TEXT_MODEL = "smollm2-135m-instruct"
 VIDEO_MODEL = "tiny-qwen2-vl"
+# The default model of `make run` since session 17: the same frames through a 135M LM.
+SMOL_VIDEO_MODEL = "smol-qwen2-vl"
+# vLLM's CPU platform turns "uni" into "mp" (a worker process); naming the class keeps the
+# worker inside EngineCore (docs/benchmarks.md, session 17).
+EXECUTORS = {"mp": "mp", "uni": "vllm.v1.executor.uniproc_executor.UniProcExecutor"}
 
 
 def quantiles(values: list[float]) -> dict[str, float]:
@@ -90,13 +95,16 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     from retention.vllm_adapter.eviction import REPREFILL_PIECE_ENV
     from retention.vllm_adapter.introspect import retention_state, worker_stats
 
-    video = model == VIDEO_MODEL
+    video = model in (VIDEO_MODEL, SMOL_VIDEO_MODEL)
     frames = args.video_frames if video else args.text_frames
     max_position = args.video_max_position if video else args.text_max_position
     # Read by the engine processes at start-up (they inherit this environment).
     os.environ[REPREFILL_PIECE_ENV] = str(0 if mode == "inline" else args.piece)
     os.environ[DIAGNOSTICS_ENV] = "1"
     extra: dict[str, Any] = {"limit_mm_per_prompt": {"image": 1, "video": 0}} if video else {}
+    executor = getattr(args, "executor_now", None)
+    if executor is not None:
+        extra["distributed_executor_backend"] = EXECUTORS[executor]
     settings = EngineSettings(
         model=model,
         max_model_len=args.max_model_len,
@@ -456,7 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--text-frames", type=int, default=3000)
     parser.add_argument("--video-frames", type=int, default=1000)
-    parser.add_argument("--models", default="text,video", help="text, video or both")
+    parser.add_argument(
+        "--models",
+        default="text,video",
+        help="comma-separated: text, video (tiny-qwen2-vl), smol (smol-qwen2-vl, the default "
+        "model of make run)",
+    )
     parser.add_argument(
         "--modes", default="rotate,idle,inline", help="rotate, idle, inline (comma-separated)"
     )
@@ -510,6 +523,12 @@ def main(argv: list[str] | None = None) -> int:
         "engine runs: the worker then has the other CPUs to itself",
     )
     parser.add_argument(
+        "--executors",
+        default=None,
+        help="run each session once per vLLM executor (comma-separated: 'mp', the CPU "
+        "platform's worker process, or 'uni', the worker inside EngineCore)",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="tracemalloc in the worker from the first tenth on (slows it: finds leaks, not tails)",
@@ -518,13 +537,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    names = {"text": TEXT_MODEL, "video": VIDEO_MODEL}
+    names = {"text": TEXT_MODEL, "video": VIDEO_MODEL, "smol": SMOL_VIDEO_MODEL}
     runs = []
     arenas = args.malloc_arenas.split(",") if args.malloc_arenas else [None]
     binds = args.omp_binds.split(",") if args.omp_binds else [None]
+    executors = args.executors.split(",") if args.executors else [None]
     for key in args.models.split(","):
         for mode in args.modes.split(","):
-            for arena, bind in itertools.product(arenas, binds):
+            for arena, bind, executor in itertools.product(arenas, binds, executors):
+                args.executor_now = executor
                 if arena is not None:
                     # Read by glibc when each engine process starts (they inherit it).
                     value = str(8 * (os.cpu_count() or 1)) if arena == "glibc" else arena
@@ -537,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
                         "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
                         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                         "pin_front": args.pin_front,
+                        "executor": executor or "mp",
                     }
                     | run
                 )
