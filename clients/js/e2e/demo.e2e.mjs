@@ -57,7 +57,7 @@ try {
   await fill("size", env.DEMO_WIDTH || "112");
   await fill("window", env.DEMO_WINDOW || "4");
   await fill("max-tokens", env.DEMO_MAX_TOKENS || "4");
-  await fill("prompt", "What changed?");
+  await fill("prompt", env.DEMO_PROMPT || "What changed?");
   await page.selectOption("#mode", mode);
   await page.click("#start");
 
