@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.soak import _engine_settings, _recv_until, serve
-from bench.vlm_accuracy import INSTRUCTIONS, QUESTIONS
+from bench.vlm_accuracy import DESCRIBE, INSTRUCTIONS, QUESTIONS
 from realtime.models.synth_frames import COLOURS, FrameSpec, draw_frame
 
 MODEL = "smol-qwen2-vl"
@@ -101,16 +101,28 @@ def reply_format(kind: str) -> dict[str, Any]:
     """`free`: free text. `sentence`: every reply (probes too) is one of the sentences the codes
     were tuned on, "The colour is <c>.", as a JSON string (the session's response_format): the
     reply's form is fixed, so what is measured is whether the colour word is read or copied,
-    not whether a 135M LM keeps its format over 1,000 replies."""
+    not whether a 135M LM keeps its format over 1,000 replies. `describe`: the frames are asked
+    "Describe the image." and every reply is one of the tuned descriptions ("Two red circles on
+    a white background."): a copied reply is then wrong in more places than the colour."""
     if kind == "free":
         return {}
-    schema = {"type": "string", "enum": [f"The colour is {c}." for c in COLOURS]}
+    if kind == "describe":  # every tuned description: colour, shape, count and background
+        from realtime.models.vision_codes import all_specs, answer
+
+        sentences = sorted({answer("describe", s) for s in all_specs()})
+    else:
+        sentences = [f"The colour is {c}." for c in COLOURS]
+    schema = {"type": "string", "enum": sentences}
     return {
         "response_format": {
             "type": "json_schema",
             "json_schema": {"name": "colour_sentence", "schema": schema},
         }
     }
+
+
+def frame_prompt(reply_format: str) -> str:
+    return DESCRIBE if reply_format == "describe" else QUESTIONS["colour"]
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -158,7 +170,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 asked = spec.colour == MARKER or n_frame % args.ask_every == 0
                 event = {"type": "frame.append", "image": _jpeg(img)}
                 if asked:
-                    event["prompt"] = QUESTIONS["colour"]
+                    event["prompt"] = frame_prompt(args.reply_format)
                 else:
                     event["reply"] = False
             else:
@@ -220,7 +232,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "sink_chunks": 1,
         "sink": args.sink,
         "ask_every": args.ask_every,
-        "frame_prompt": QUESTIONS["colour"],
+        "frame_prompt": frame_prompt(args.reply_format),
         "probe": PROBE,
         "reply_format": args.reply_format,
         "max_position": args.max_position,
@@ -270,9 +282,10 @@ def main() -> None:
     ap.add_argument("--ask-every", type=int, default=1, help="answer every k-th frame")
     ap.add_argument(
         "--reply-format",
-        choices=["free", "sentence"],
+        choices=["free", "sentence", "describe"],
         default="free",
-        help="sentence: replies constrained to 'The colour is <c>.' (a JSON string enum)",
+        help="sentence: replies constrained to 'The colour is <c>.' (a JSON string enum); "
+        "describe: frames asked 'Describe the image.', replies one of the tuned descriptions",
     )
     ap.add_argument(
         "--max-position",
