@@ -86,7 +86,9 @@ def loadavg() -> list[float]:
         return []
 
 
-async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[str, Any]:
+async def run_session(
+    args: argparse.Namespace, model: str, mode: str, executor: str | None = None
+) -> dict[str, Any]:
     from bench.frames import image_frame, text_frame
     from protocol import SamplingConfig, SessionConfig
     from realtime.engine import EngineSettings, start_engine
@@ -102,7 +104,6 @@ async def run_session(args: argparse.Namespace, model: str, mode: str) -> dict[s
     os.environ[REPREFILL_PIECE_ENV] = str(0 if mode == "inline" else args.piece)
     os.environ[DIAGNOSTICS_ENV] = "1"
     extra: dict[str, Any] = {"limit_mm_per_prompt": {"image": 1, "video": 0}} if video else {}
-    executor = getattr(args, "executor_now", None)
     if executor is not None:
         extra["distributed_executor_backend"] = EXECUTORS[executor]
     settings = EngineSettings(
@@ -545,14 +546,13 @@ def main(argv: list[str] | None = None) -> int:
     for key in args.models.split(","):
         for mode in args.modes.split(","):
             for arena, bind, executor in itertools.product(arenas, binds, executors):
-                args.executor_now = executor
                 if arena is not None:
                     # Read by glibc when each engine process starts (they inherit it).
                     value = str(8 * (os.cpu_count() or 1)) if arena == "glibc" else arena
                     os.environ["MALLOC_ARENA_MAX"] = value
                 if bind is not None:  # read by vLLM when it starts the worker
                     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-                run = asyncio.run(run_session(args, names[key.strip()], mode.strip()))
+                run = asyncio.run(run_session(args, names[key.strip()], mode.strip(), executor))
                 runs.append(
                     {
                         "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),

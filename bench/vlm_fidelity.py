@@ -1,8 +1,11 @@
 """Video fidelity of one bounded session through the real server, on `smol-qwen2-vl`.
 
 One WebSocket session (sink 1 chunk, window `--window` chunks) receives `--frames` synthetic JPEG
-frames. Every `--ask-every`-th frame (and every marker frame) carries the prompt "What colour is
-it?" and is answered; the others are ingested (`reply: false`), as a watching client sends them.
+frames. Every `--ask-every`-th frame (default 2; and every marker frame) carries a question and
+is answered; the others are ingested (`reply: false`), as a watching client sends them. By
+default the question is "Describe the image." and the reply is constrained to the descriptions
+the model was tuned on (`--reply-format describe`; session 17: asked of every frame in free
+text, the 135M LM falls into repeating one reply after ~100-300 frames, docs/vlm.md).
 
 * **Sink** (`--sink`): `instructions` (default) opens with an ingested text turn, so the pinned
   chunk holds the instructions only; `frame` pins the first frame and its reply. A small LM
@@ -17,12 +20,16 @@ it?" and is answered; the others are ingested (`reply: false`), as a watching cl
   purple shape (no other frame is purple), and later a text turn asks which colours the model
   has seen (the question names none). A probe is *near* (marker `--near-gap` chunks back,
   default 1: the chunk before the probe, inside the window, its frame and the model's reply to
-  it still in the KV) or *far* (marker `window + 8` chunks back: evicted). The 135M LM answers a
-  probe in its frames' reply format, naming one colour: the last frame's, or the one its last
-  replies named (session 16: 0/19 with the marker 2 chunks back). A probe scores when the reply names purple; near and far
-  probes alternate. The far score is the rate of naming purple with the marker gone.
+  it still in the KV) or *far* (marker `window + 8` chunks back: evicted). A probe scores when
+  the reply names purple; near and far probes alternate. The far score is the rate of naming
+  purple with the marker gone. The 135M LM answers a probe in its frames' reply format, naming
+  one colour: the last frame's, or the one its last replies named (session 16: 0/19 with the
+  marker 2 chunks back).
+* **Reply format** (`--reply-format`): free text, or constrained by the session's
+  `response_format` to the sentences the codes were tuned on (`reply_format`).
 
     python -m bench.vlm_fidelity --frames 1000 --out docs/bench/vlm_fidelity.json
+    python -m bench.vlm_fidelity --ask-every 1 --reply-format free --max-tokens 8   # the hardest
 """
 
 from __future__ import annotations
@@ -116,7 +123,7 @@ def reply_format(kind: str) -> dict[str, Any]:
     return {
         "response_format": {
             "type": "json_schema",
-            "json_schema": {"name": "colour_sentence", "schema": schema},
+            "json_schema": {"name": f"tuned_{kind}", "schema": schema},
         }
     }
 
@@ -274,16 +281,21 @@ def main() -> None:
         default=1,
         help="chunks from a marker to its near probe (1: the probe follows the marker)",
     )
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--sink", choices=["instructions", "frame"], default="instructions")
     ap.add_argument(
         "--block-size", type=int, default=32, help="KV block size: eviction frees whole blocks"
     )
-    ap.add_argument("--ask-every", type=int, default=1, help="answer every k-th frame")
+    ap.add_argument(
+        "--ask-every",
+        type=int,
+        default=2,
+        help="answer every k-th frame (the others are ingested, as a watching client sends them)",
+    )
     ap.add_argument(
         "--reply-format",
         choices=["free", "sentence", "describe"],
-        default="free",
+        default="describe",
         help="sentence: replies constrained to 'The colour is <c>.' (a JSON string enum); "
         "describe: frames asked 'Describe the image.', replies one of the tuned descriptions",
     )

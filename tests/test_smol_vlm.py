@@ -486,3 +486,19 @@ def test_place_layout_puts_one_attribute_code_in_each_slot() -> None:
     assert score["n"] == 20
     with pytest.raises(ValueError, match="layout"):
         vc.image_vectors(codes, specs, "rows")
+
+
+def test_fidelity_reply_formats_are_valid_session_formats() -> None:
+    """`bench.vlm_fidelity --reply-format`: the constrained formats are response_formats the
+    protocol accepts, listing the tuned sentences; free text sends none."""
+    from bench.vlm_fidelity import frame_prompt, reply_format
+    from protocol import SamplingConfig
+    from realtime.models.synth_frames import COLOURS
+
+    assert reply_format("free") == {}
+    sentence = SamplingConfig.model_validate(reply_format("sentence")).response_format
+    assert sentence is not None and sentence.type == "json_schema"
+    assert sentence.json_schema.schema_["enum"] == [f"The colour is {c}." for c in COLOURS]
+    describe = reply_format("describe")["response_format"]["json_schema"]["schema"]["enum"]
+    assert "Two red circles on a white background." in describe and len(set(describe)) > 300
+    assert frame_prompt("describe") == "Describe the image." and frame_prompt("free") != ""
