@@ -452,6 +452,33 @@ def test_chat_loss_reaches_the_codes_and_the_chat_score_is_a_rate() -> None:
     assert all(0.0 <= score[k] <= 1.0 for k in ("same", "mixed") if k in score)
 
 
+def test_chat_scores_cover_every_variant_the_prepared_data_allows() -> None:
+    """`chat_scores`: 1 and `frames` frames, then the streak variants; the terse and the
+    degenerate ones only where `prepare` wrote their replies. Each is a rate."""
+    import torch
+
+    from realtime.models import vision_codes as vc
+
+    d, lm = _fake_codes_data(), _FakeLM()
+    codes = {
+        a: torch.randn(len(ws), 8, generator=torch.Generator().manual_seed(1))
+        for a, ws in vc.ATTRIBUTES.items()
+    }
+    plain = vc.chat_scores(lm, d, codes, 3, 10, "sum")  # type: ignore[arg-type]
+    assert set(plain) == {"frames_1", "frames_3", "frames_3_mistakes", "frames_3_streak"}
+    name_id = {w: int(i) for i, w in d["names"].items()}
+    d["short"] = {
+        k: {vc._key(s): [400, name_id[vc.fact(k, s)], 2] for s in vc.all_specs()}
+        for k in vc.QUESTIONS
+    }
+    d["collapsed"] = {w: [[500 + i, 501 + i, 502 + i], [600 + i, 2]] for i, w in enumerate("ab")}
+    every = vc.chat_scores(lm, d, codes, 3, 10, "sum")  # type: ignore[arg-type]
+    assert set(every) == set(plain) | {"frames_3_terse_streak", "frames_3_collapsed"}
+    assert all(
+        0.0 <= v <= 1.0 for s in every.values() for k, v in s.items() if k in ("same", "mixed")
+    )
+
+
 def test_place_layout_puts_one_attribute_code_in_each_slot() -> None:
     """The "place" layout: slot j of an image carries its frame's code of attribute j mod 4
     (colour, shape, count, background) alone; the tower's targets follow the same order, and

@@ -733,36 +733,27 @@ def chat_scores(
         for k in sorted({1, frames})
     }
     if frames > 1:
-        out[f"frames_{frames}_mistakes"] = evaluate_chats(
-            lm, d, codes, frames=frames, n=n, layout=layout, mistakes=0.33, tower=tower
-        )
-        out[f"frames_{frames}_streak"] = evaluate_chats(
-            lm, d, codes, frames=frames, n=n, layout=layout, mistakes=1.0, tower=tower
-        )
-        if "short" in d:  # terse replies from a random frame on, every earlier one wrong
-            out[f"frames_{frames}_terse_streak"] = evaluate_chats(
-                lm,
-                d,
-                codes,
-                frames=frames,
-                n=n,
-                layout=layout,
-                mistakes=1.0,
-                tower=tower,
-                drift=1.0,
-            )
-        if "collapsed" in d:  # every earlier reply degenerate ("The green of the green is the")
-            out[f"frames_{frames}_collapsed"] = evaluate_chats(
-                lm,
-                d,
-                codes,
-                frames=frames,
-                n=n,
-                layout=layout,
-                mistakes=1.0,
-                tower=tower,
-                collapse=1.0,
-            )
+        # name -> (mistakes, drift, collapse) of build_chats, and the prepared data it needs
+        variants: dict[str, tuple[float, float, float, str | None]] = {
+            "mistakes": (0.33, 0.0, 0.0, None),  # a third of the earlier replies wrong
+            "streak": (1.0, 0.0, 0.0, None),  # every earlier reply names one wrong word
+            "terse_streak": (1.0, 1.0, 0.0, "short"),  # terse from a frame on, all wrong
+            "collapsed": (1.0, 0.0, 1.0, "collapsed"),  # every earlier reply degenerate
+        }
+        for name, (mistakes, drift, collapse, needs) in variants.items():
+            if needs is None or needs in d:
+                out[f"frames_{frames}_{name}"] = evaluate_chats(
+                    lm,
+                    d,
+                    codes,
+                    frames=frames,
+                    n=n,
+                    layout=layout,
+                    tower=tower,
+                    mistakes=mistakes,
+                    drift=drift,
+                    collapse=collapse,
+                )
     return out
 
 

@@ -37,37 +37,48 @@ async def run_node(script: str, env: dict[str, str], timeout: float) -> tuple[in
     return proc.returncode, out.decode(), err.decode()
 
 
-async def test_demo_page_streams_the_camera_and_shows_replies(
-    client_server: RunningServer, tmp_path: Any
-) -> None:
+async def run_demo_page(server: RunningServer, tmp_path: Any, **env: str) -> dict[str, Any]:
+    """Run clients/js/e2e/demo.e2e.mjs (the page in headless Chromium, fake camera) against
+    `server` with the page settings in `env` (DEMO_* overrides); its summary, once the run
+    exited 0 with no page or protocol error."""
     chromium = need_tool("chromium", "apt-get install chromium (Debian's package)")
     need(
         (JS_DIR / "node_modules" / "playwright-core").is_dir(),
         "playwright-core is not installed: npm ci --prefix clients/js",
     )
+    base = {
+        "DEMO_URL": server.http + "/",
+        # The page trades it for a client secret, which travels as the subprotocol.
+        "DEMO_API_KEY": CLIENT_KEY,
+        "DEMO_SCREENSHOT": str(tmp_path / "demo.png"),
+        "DEMO_USER_DATA_DIR": str(tmp_path / "chromium-profile"),
+        "CHROMIUM": chromium,
+    }
+    rc, out, err = await run_node(
+        str(JS_DIR / "e2e" / "demo.e2e.mjs"), {**base, **env}, timeout=240
+    )
+    assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+    summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    assert summary["pageErrors"] == [] and summary["errors"] == [], summary
+    return summary
+
+
+async def test_demo_page_streams_the_camera_and_shows_replies(
+    client_server: RunningServer, tmp_path: Any
+) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "demo.png"
     shot.unlink(missing_ok=True)
-    rc, out, err = await run_node(
-        str(JS_DIR / "e2e" / "demo.e2e.mjs"),
-        {
-            "DEMO_URL": client_server.http + "/",
-            # The page trades it for a client secret, which travels as the subprotocol.
-            "DEMO_API_KEY": CLIENT_KEY,
-            "DEMO_FRAMES": str(FRAMES),
-            "DEMO_FPS": "5",
-            "DEMO_WIDTH": "112",
-            "DEMO_WINDOW": "4",
-            "DEMO_MAX_TOKENS": "4",
-            "DEMO_SCREENSHOT": str(shot),
-            "DEMO_USER_DATA_DIR": str(tmp_path / "chromium-profile"),
-            "CHROMIUM": chromium,
-        },
-        timeout=240,
+    summary = await run_demo_page(
+        client_server,
+        tmp_path,
+        DEMO_FRAMES=str(FRAMES),
+        DEMO_FPS="5",
+        DEMO_WIDTH="112",
+        DEMO_WINDOW="4",
+        DEMO_MAX_TOKENS="4",
+        DEMO_SCREENSHOT=str(shot),
     )
-    assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
-    summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["pageErrors"] == [] and summary["errors"] == [], summary
     assert summary["status"] == "streaming" and summary["finalStatus"] == "stopped"
     assert summary["sessions"] == 1 and summary["model"] == "tiny-qwen2-vl"
     # Served by the server, the page connected with a minted client secret, not the key.
