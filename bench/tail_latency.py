@@ -47,6 +47,7 @@ from typing import Any
 from bench.machine_noise import cpu_steal_jiffies, probe
 from bench.report import emit_json, trace_summary
 from bench.soak import slope
+from retention.vllm_adapter.shm_prefault import PREFAULT_BYTES_PER_CHUNK, SHM_PREFAULT_ENV
 
 TEXT_MODEL = "smollm2-135m-instruct"
 VIDEO_MODEL = "tiny-qwen2-vl"
@@ -54,6 +55,7 @@ VIDEO_MODEL = "tiny-qwen2-vl"
 SMOL_VIDEO_MODEL = "smol-qwen2-vl"
 # vLLM's CPU platform turns "uni" into "mp" (a worker process); naming the class keeps the
 # worker inside EngineCore (docs/benchmarks.md, session 17).
+MQ_CHUNK_ENV = "VLLM_MQ_MAX_CHUNK_BYTES_MB"  # vLLM's step-ring chunk size, read by EngineCore
 EXECUTORS = {"mp": "mp", "uni": "vllm.v1.executor.uniproc_executor.UniProcExecutor"}
 
 
@@ -530,6 +532,13 @@ def main(argv: list[str] | None = None) -> int:
         "platform's worker process, or 'uni', the worker inside EngineCore)",
     )
     parser.add_argument(
+        "--shm-prefault",
+        default=None,
+        help="run each session once per value (comma-separated: 'on', vLLM's step rings "
+        "resident from start-up with 1 MiB chunks, the server's default; 'off', vLLM's own "
+        "16 MiB chunks, touched as messages reach them)",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="tracemalloc in the worker from the first tenth on (slows it: finds leaks, not tails)",
@@ -543,15 +552,22 @@ def main(argv: list[str] | None = None) -> int:
     arenas = args.malloc_arenas.split(",") if args.malloc_arenas else [None]
     binds = args.omp_binds.split(",") if args.omp_binds else [None]
     executors = args.executors.split(",") if args.executors else [None]
+    prefaults = args.shm_prefault.split(",") if args.shm_prefault else [None]
     for key in args.models.split(","):
         for mode in args.modes.split(","):
-            for arena, bind, executor in itertools.product(arenas, binds, executors):
+            for arena, bind, executor, prefault in itertools.product(
+                arenas, binds, executors, prefaults
+            ):
                 if arena is not None:
                     # Read by glibc when each engine process starts (they inherit it).
                     value = str(8 * (os.cpu_count() or 1)) if arena == "glibc" else arena
                     os.environ["MALLOC_ARENA_MAX"] = value
                 if bind is not None:  # read by vLLM when it starts the worker
                     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+                if prefault is not None:  # read by every engine process when it starts
+                    on = prefault.strip() == "on"
+                    os.environ[SHM_PREFAULT_ENV] = "1" if on else "0"
+                    os.environ[MQ_CHUNK_ENV] = str(PREFAULT_BYTES_PER_CHUNK >> 20) if on else "16"
                 run = asyncio.run(run_session(args, names[key.strip()], mode.strip(), executor))
                 runs.append(
                     {
@@ -559,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
                         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                         "pin_front": args.pin_front,
                         "executor": executor or "mp",
+                        "shm_prefault": os.environ.get(SHM_PREFAULT_ENV, "1") != "0",
+                        "mq_chunk_mb": os.environ.get(MQ_CHUNK_ENV),
                     }
                     | run
                 )

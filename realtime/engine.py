@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from realtime.models import resolve_model
+from retention.vllm_adapter.shm_prefault import PREFAULT_BYTES_PER_CHUNK
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -49,6 +50,10 @@ def prepare_process_env() -> None:
         # A/B in one run, 3,000 bounded text frames: RSS slope 1.163 -> 0.536 MiB per 1k frames,
         # p99/p50 1.379 -> 1.299; video unchanged (docs/benchmarks.md, "The allocator").
         os.environ.setdefault("MALLOC_ARENA_MAX", "1")
+    # vLLM's step ring: chunks no larger than the part of them made resident at start-up
+    # (retention/vllm_adapter/shm_prefault.py), so the worker's memory does not step up as
+    # larger steps arrive; a larger step goes through vLLM's overflow socket instead.
+    os.environ.setdefault("VLLM_MQ_MAX_CHUNK_BYTES_MB", str(PREFAULT_BYTES_PER_CHUNK >> 20))
 
 
 def cpu_worker_threads() -> int:

@@ -27,6 +27,10 @@ def register() -> None:
     from retention.vllm_adapter.introspect import install_worker_utilities
 
     install_worker_utilities()
+    from retention.vllm_adapter.shm_prefault import install_shm_prefault
+
+    # vLLM's shared-memory step rings resident from start-up, so their pages are not a slope.
+    install_shm_prefault()
     from retention.vllm_adapter.diagnostics import install_diagnostics
 
     # Memory diagnostics only when a benchmark asks for them (VLLM_REALTIME_DIAGNOSTICS=1).

@@ -483,6 +483,7 @@ async def test_endurance_1000_frames_bounded_and_no_leak(vlm_engine: Any) -> Non
                         "mm_items_held": state["mm_items_held"],
                         "core_rss": kv["rss_bytes"],
                         "worker_rss": worker["rss_bytes"],
+                        "worker_shmem": worker["rss_split_bytes"].get("shmem"),
                     }
                 )
         state = await retention_state(vlm_engine, session.request_id)
@@ -526,5 +527,11 @@ async def test_endurance_1000_frames_bounded_and_no_leak(vlm_engine: Any) -> Non
         slope = _slope(frames, [float(s[key]) for s in warm])
         print(f"endurance: {key} slope {slope:.0f} B/frame")
         assert slope < 4096, (key, slope)
+    # vLLM's step rings were made resident at start-up (shm_prefault.py): ten 1 MiB chunks of
+    # the step ring and 1 MiB of each answer chunk, and not a page more as frames of every size
+    # (re-prefills included) pass through them.
+    shmem = {s["worker_shmem"] for s in samples}
+    if shmem != {None}:
+        assert len(shmem) == 1 and min(shmem) >= 20 << 20, sorted(shmem)
     stats = await wait_all_blocks_free(vlm_engine)
     assert stats["num_free_blocks"] == usable
