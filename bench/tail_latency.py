@@ -140,6 +140,8 @@ async def run_session(
     rss: list[tuple[int, int]] = []
     # (frame, bytes by kind): "anon", "file" (mapped files) and "shmem" (shared memory).
     rss_split: list[tuple[int, dict[str, int]]] = []
+    # --rss-after-trim: (frame, RSS, malloc bytes in use) read right after a malloc_trim(0).
+    rss_trimmed: list[tuple[int, int, int]] = []
     steps: dict[str, Any] = {}
     heap: dict[str, Any] = {}
     heap_at_tenth: dict[str, Any] = {}
@@ -229,6 +231,10 @@ async def run_session(
                 workers = await worker_stats(engine)
                 rss.append((i, int(workers[0]["rss_bytes"])))
                 rss_split.append((i, dict(workers[0].get("rss_split_bytes") or {})))
+                if args.rss_after_trim:
+                    (trimmed,) = (await heap_stats(engine, "trim_read"))["workers"]
+                    malloc = trimmed.get("malloc") or {}
+                    rss_trimmed.append((i, int(trimmed["rss_bytes"]), malloc.get("in_use", 0)))
             if i == frames // 10:
                 heap_at_tenth = (await heap_stats(engine, "steps_start"))["workers"][0]
                 if args.trace:
@@ -346,6 +352,18 @@ async def run_session(
             "anon_samples_mb": mib(kinds("anon")),
             "file_samples_mb": mib(kinds("file")),
             "shmem_samples_mb": mib(kinds("shmem")),
+            # --rss-after-trim: the same samples taken again right after the worker returned its
+            # free heap to the OS, so that where a sample falls between trims does not move it.
+            "after_trim": {
+                "slope_mb_per_1k_frames": slope_per_1k([(i, b) for i, b, _ in rss_trimmed]),
+                "malloc_in_use_slope_mb_per_1k_frames": slope_per_1k(
+                    [(i, u) for i, _, u in rss_trimmed]
+                ),
+                "samples_mb": mib([(i, b) for i, b, _ in rss_trimmed]),
+                "malloc_in_use_samples_mb": mib([(i, u) for i, _, u in rss_trimmed]),
+            }
+            if rss_trimmed
+            else None,
         },
         "worker_step_sizes": steps,
         "worker_heap": heap,
@@ -530,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run each session once per vLLM executor (comma-separated: 'mp', the CPU "
         "platform's worker process, or 'uni', the worker inside EngineCore)",
+    )
+    parser.add_argument(
+        "--rss-after-trim",
+        action="store_true",
+        help="also read the worker's RSS right after a malloc_trim(0) at each RSS sample: memory "
+        "held, without the free heap that the moment of the sample keeps",
     )
     parser.add_argument(
         "--shm-prefault",

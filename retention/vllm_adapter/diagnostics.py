@@ -157,12 +157,26 @@ def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, A
     types. "timeline_start" / "timeline_read": model steps and garbage collections with their
     wall-clock times (`_start_timeline`). "steps_start" (worker): from now on, count the distinct step sizes. "trace_start":
     start tracemalloc and keep a baseline (slows allocation: diagnostic runs only).
-    "trace_top": the allocation sites grown most since the baseline.
+    "trace_top": the allocation sites grown most since the baseline. "trim_read": return the
+    free heap to the OS first (`malloc_trim(0)`), then read RSS by kind and malloc's accounting
+    only (no object walk): memory the process holds, without the free heap the moment keeps.
     """
     import gc
     import tracemalloc
     from collections import Counter
 
+    from retention.vllm_adapter.introspect import _rss_split
+
+    if action == "trim_read":
+        trim = libc_function("malloc_trim")
+        if trim is not None:
+            trim(0)
+        return {
+            "pid": os.getpid(),
+            "rss_bytes": _rss_bytes(),
+            "rss_split_bytes": _rss_split(),
+            "malloc": malloc_info(),
+        }
     out: dict[str, Any] = {"pid": os.getpid(), "rss_bytes": _rss_bytes(), "malloc": malloc_info()}
     runner = getattr(_owner, "model_runner", None)
     if action == "steps_start" and runner is not None and "step_sizes" not in _DIAGNOSTICS:

@@ -68,3 +68,13 @@ def test_thread_arena_heaps_are_counted_from_the_maps() -> None:
     assert thread_arena_heaps(maps) == 2
     assert thread_arena_heaps("") == 0
     assert isinstance(thread_arena_heaps(), int | None)
+
+
+def test_trim_read_returns_memory_held_after_trimming_without_walking_objects() -> None:
+    from retention.vllm_adapter.diagnostics import _heap_stats
+
+    out = _heap_stats(None, "trim_read")
+    assert out["rss_bytes"] is None or out["rss_bytes"] > 0
+    assert "python_objects" not in out  # the cheap read: no gc.get_objects() walk
+    if out["rss_split_bytes"]:
+        assert set(out["rss_split_bytes"]) == {"anon", "file", "shmem"}
