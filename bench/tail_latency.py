@@ -53,9 +53,9 @@ TEXT_MODEL = "smollm2-135m-instruct"
 VIDEO_MODEL = "tiny-qwen2-vl"
 # The default model of `make run` since session 17: the same frames through a 135M LM.
 SMOL_VIDEO_MODEL = "smol-qwen2-vl"
+MQ_CHUNK_ENV = "VLLM_MQ_MAX_CHUNK_BYTES_MB"  # vLLM's step-ring chunk size, read by EngineCore
 # vLLM's CPU platform turns "uni" into "mp" (a worker process); naming the class keeps the
 # worker inside EngineCore (docs/benchmarks.md, session 17).
-MQ_CHUNK_ENV = "VLLM_MQ_MAX_CHUNK_BYTES_MB"  # vLLM's step-ring chunk size, read by EngineCore
 EXECUTORS = {"mp": "mp", "uni": "vllm.v1.executor.uniproc_executor.UniProcExecutor"}
 
 
