@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, Final
 
-from retention.vllm_adapter.heap_trim import libc_function
-from retention.vllm_adapter.introspect import _rss_bytes
+from retention.vllm_adapter.heap_trim import libc_function, trim_now
+from retention.vllm_adapter.introspect import _rss_bytes, _rss_split
 
 DIAGNOSTICS_ENV: Final = "VLLM_REALTIME_DIAGNOSTICS"
 
@@ -165,12 +165,8 @@ def _heap_stats(_owner: Any, action: str = "read", top: int = 15) -> dict[str, A
     import tracemalloc
     from collections import Counter
 
-    from retention.vllm_adapter.introspect import _rss_split
-
     if action == "trim_read":
-        trim = libc_function("malloc_trim")
-        if trim is not None:
-            trim(0)
+        trim_now()
         return {
             "pid": os.getpid(),
             "rss_bytes": _rss_bytes(),

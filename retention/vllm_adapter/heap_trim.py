@@ -35,6 +35,15 @@ def _malloc_trim() -> Any:
     return _STATE["trim"]
 
 
+def trim_now() -> bool:
+    """Return the free heap to the OS now, not rate-limited (diagnostics). False off glibc."""
+    fn = _malloc_trim()
+    if fn is None:
+        return False
+    fn(0)
+    return True
+
+
 def trim_free_heap(now: float | None = None) -> bool:
     """Return the free heap to the OS unless this process did so in the last `MIN_INTERVAL_S`.
     True when it trimmed."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,16 @@ from tests.realtime.conftest import RunningServer
 pytestmark = pytest.mark.slow
 
 FRAMES = 10
+# The page's settings for the tiny model: small frames, a short window and reply.
+TINY_PAGE = {"DEMO_FPS": "5", "DEMO_WIDTH": "112", "DEMO_WINDOW": "4", "DEMO_MAX_TOKENS": "4"}
+
+
+def fresh_screenshot(name: str) -> Path:
+    """ARTIFACTS/<name>, with no screenshot of an earlier run left at that path."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / name
+    shot.unlink(missing_ok=True)
+    return shot
 
 
 async def run_node(script: str, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
@@ -66,18 +77,9 @@ async def run_demo_page(server: RunningServer, tmp_path: Any, **env: str) -> dic
 async def test_demo_page_streams_the_camera_and_shows_replies(
     client_server: RunningServer, tmp_path: Any
 ) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / "demo.png"
-    shot.unlink(missing_ok=True)
+    shot = fresh_screenshot("demo.png")
     summary = await run_demo_page(
-        client_server,
-        tmp_path,
-        DEMO_FRAMES=str(FRAMES),
-        DEMO_FPS="5",
-        DEMO_WIDTH="112",
-        DEMO_WINDOW="4",
-        DEMO_MAX_TOKENS="4",
-        DEMO_SCREENSHOT=str(shot),
+        client_server, tmp_path, DEMO_FRAMES=str(FRAMES), DEMO_SCREENSHOT=str(shot), **TINY_PAGE
     )
     assert summary["status"] == "streaming" and summary["finalStatus"] == "stopped"
     assert summary["sessions"] == 1 and summary["model"] == "tiny-qwen2-vl"

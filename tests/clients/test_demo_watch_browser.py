@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.clients.conftest import ARTIFACTS
-from tests.clients.test_demo_browser import run_demo_page
+from tests.clients.test_demo_browser import TINY_PAGE, fresh_screenshot, run_demo_page
 from tests.realtime.conftest import RunningServer
 
 pytestmark = pytest.mark.slow
@@ -22,17 +21,12 @@ QUESTION = "What did the camera see?"
 async def test_demo_page_watches_then_answers_a_question(
     client_server: RunningServer, tmp_path: Any
 ) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
-    shot = ARTIFACTS / "demo-watch.png"
-    shot.unlink(missing_ok=True)
+    shot = fresh_screenshot("demo-watch.png")
     summary = await run_demo_page(
         client_server,
         tmp_path,
         DEMO_FRAMES=str(FRAMES),
-        DEMO_FPS="5",
-        DEMO_WIDTH="112",
-        DEMO_WINDOW="4",
-        DEMO_MAX_TOKENS="4",
+        **TINY_PAGE,
         DEMO_MODE="watch",
         DEMO_QUESTION=QUESTION,
         DEMO_SCREENSHOT=str(shot),

@@ -78,3 +78,12 @@ def test_trim_read_returns_memory_held_after_trimming_without_walking_objects() 
     assert "python_objects" not in out  # the cheap read: no gc.get_objects() walk
     if out["rss_split_bytes"]:
         assert set(out["rss_split_bytes"]) == {"anon", "file", "shmem"}
+
+
+def test_trim_now_is_not_rate_limited(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(heap_trim, "_STATE", {"trim": calls.append, "last": 1e18})
+    assert heap_trim.trim_now() and heap_trim.trim_now()
+    assert calls == [0, 0]
+    monkeypatch.setattr(heap_trim, "_STATE", {"trim": None})
+    assert not heap_trim.trim_now()
