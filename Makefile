@@ -1,7 +1,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint unit bench
+.PHONY: setup run test lint unit bench types
 
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh scripts/torchvision_cpu_shim.py
 	bash scripts/setup.sh
@@ -24,3 +24,9 @@ lint: setup
 ## Fast tests only (no engine).
 unit: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+## Regenerate the wire types from protocol/: the JSON Schema and the TypeScript declarations
+## (tests/clients/test_types_drift.py fails when they drift).
+types: setup
+	$(BIN)/python -m protocol.schema > clients/js/protocol.schema.json
+	cd clients/js && npm run --silent types

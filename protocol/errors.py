@@ -9,7 +9,7 @@ follows the ``error`` with ``session.closed`` and closes the WebSocket.
 ::
 
     RealtimeError
-    ├── InvalidRequestError          type="invalid_request_error"
+    ├── InvalidRequestError          invalid_request         survives  type="invalid_request_error"
     │   ├── InvalidJson              invalid_json            survives
     │   ├── InvalidEvent             invalid_event           survives
     │   ├── UnknownEventType         unknown_event_type      survives
@@ -341,6 +341,7 @@ class InternalError(ServerError):
 
 
 ERROR_CLASSES: tuple[type[RealtimeError], ...] = (
+    InvalidRequestError,  # raised as is where no narrower code fits (e.g. a budget that cannot fit)
     InvalidJson,
     InvalidEvent,
     UnknownEventType,

@@ -110,13 +110,21 @@ def new_session_id() -> str:
 class _Inbound(BaseModel):
     """Base of everything a client sends: strict, closed, immutable."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # Echoed back with every default filled in (session.opened's config): the generated schema
+    # describes that echo as "Effective<Model>" with every field present (protocol/schema.py).
+    model_config = ConfigDict(
+        extra="forbid", strict=True, frozen=True, json_schema_serialization_defaults_required=True
+    )
 
 
 class _Outbound(BaseModel):
     """Base of everything the server sends: unknown fields ignored, immutable."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # Every field is on the wire when the server sends it, defaults included: the generated
+    # schema (protocol/schema.py) and the TypeScript types from it say so.
+    model_config = ConfigDict(
+        extra="ignore", frozen=True, json_schema_serialization_defaults_required=True
+    )
 
 
 _EVENT_ID_DOC = "Client-chosen id of this event; echoed in error.event_id if it fails."

@@ -63,9 +63,11 @@ from realtime.models import model_dir
 AutoProcessor.from_pretrained(str(model_dir("tiny-qwen2-vl")))
 print("setup: Qwen2-VL processor builds")
 PY
-# Client tests: playwright-core and typescript for clients/js (the browser test drives Debian's
-# chromium, installed above). Without npm those tests skip.
-if command -v npm >/dev/null 2>&1 && [ ! -d clients/js/node_modules/playwright-core ]; then
+# Client tests: playwright-core, typescript and json-schema-to-typescript (`make types`) for
+# clients/js (the browser test drives Debian's chromium, installed above). Without npm those
+# tests skip.
+if command -v npm >/dev/null 2>&1 \
+  && [ ! -d clients/js/node_modules/json-schema-to-typescript ]; then
   (cd clients/js && npm ci --no-audit --no-fund --loglevel=error) \
     || echo "setup: npm ci in clients/js failed; the browser test will skip"
 fi

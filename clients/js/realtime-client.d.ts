@@ -1,220 +1,52 @@
-// Type declarations for realtime-client.js (the vllm-realtime wire protocol, docs/protocol.md).
+// Type declarations for realtime-client.js. The wire types (events, configs, limits, error codes)
+// come from protocol.d.ts, which `make types` generates from protocol/ (pydantic's JSON Schema)
+// and tests/clients/test_types_drift.py checks; only the client's own API is written here.
+
+import type {
+  EffectiveSessionConfig,
+  ErrorCode,
+  ErrorDetail,
+  Limits,
+  ResponseDoneEvent,
+  ResponseTextDeltaEvent,
+  SamplingConfig,
+  ServerDrainingEvent,
+  ServerEvent,
+  SessionClosedEvent,
+  SessionConfig,
+  SessionCreatedEvent,
+  SessionOpenedEvent,
+  SessionResumedEvent,
+} from "./protocol.js";
+
+export type * from "./protocol.js";
 
 export declare const PROTOCOL_VERSION: "2026-12-01";
 export declare const SUBPROTOCOL: "vllm-realtime";
 export declare const AUTH_SUBPROTOCOL_PREFIX: "vllm-realtime.auth.";
 
-// ---------------------------------------------------------------- session settings
+// ---------------------------------------------------------------- names for wire fields
 
-export type Modality = "video" | "text";
-export type FrameFormat = "jpeg" | "png" | "webp" | "auto";
-export type ResponseStatus = "completed" | "cancelled" | "failed" | "incomplete" | "ingested";
-export type CloseReason =
-  | "client_closed"
-  | "disconnect"
-  | "idle_timeout"
-  | "engine_error"
-  | "server_shutdown"
-  | "error"
-  | "expired";
-export type ErrorType =
-  | "invalid_request_error"
-  | "capacity_error"
-  | "auth_error"
-  | "server_error"
-  | "timeout_error";
+export type Modality = NonNullable<SessionConfig["modality"]>;
+export type FrameFormat = NonNullable<SessionConfig["frame_format"]>;
+export type ResponseFormat = NonNullable<SamplingConfig["response_format"]>;
+export type ResponseStatus = ResponseDoneEvent["status"];
+export type CloseReason = SessionClosedEvent["reason"];
+export type ErrorType = ErrorDetail["type"];
+/** What sniffMedia() recognises (the server sniffs the same formats). */
 export type MediaFormat = "jpeg" | "png" | "webp" | "mp4" | "webm";
-
-export interface RetentionConfig {
-  enabled?: boolean;
-  sink_tokens?: number;
-  sink_chunks?: number;
-  /** Most recent chunks kept; null: no chunk cap. Default 8. */
-  window_chunks?: number | null;
-  window_tokens?: number | null;
-  /** Own token budget for questions, text turns and replies; null: text leaves with its frames. */
-  text_window_tokens?: number | null;
-}
-
-/** OpenAI's response_format shape. */
-export type ResponseFormat =
-  | { type: "json_schema"; json_schema: { name: string; description?: string | null; schema: Record<string, unknown>; strict?: boolean | null } }
-  | { type: "json_object" }
-  | { type: "text" };
-
-export interface SamplingConfig {
-  max_tokens?: number;
-  temperature?: number;
-  top_p?: number;
-  seed?: number | null;
-  /** Constrain every reply (structured outputs); null: free text. */
-  response_format?: ResponseFormat | null;
-}
-
-/** Opt-in resumption: a dropped connection parks the session this long (capped by the server). */
-export interface ResumableConfig {
-  grace_s: number;
-}
-
-/** What `open()` sends (every field optional; the server fills defaults). */
-export interface SessionConfig {
-  instructions?: string | null;
-  modality?: Modality;
-  retention?: RetentionConfig;
-  sampling?: SamplingConfig;
-  frame_format?: FrameFormat;
-  model?: string | null;
-  /** Makes the session resilient (resumes after drops, moves on after drains). */
-  resumable?: ResumableConfig | null;
-}
-
-/** The effective settings echoed in session.opened: every field present. */
-export interface EffectiveSessionConfig {
-  instructions: string | null;
-  modality: Modality;
-  retention: Required<RetentionConfig>;
-  sampling: Required<SamplingConfig>;
-  frame_format: FrameFormat;
-  model: string | null;
-  resumable: ResumableConfig | null;
-}
-
-// ---------------------------------------------------------------- server events
-
-export interface Limits {
-  max_frame_bytes: number;
-  max_event_bytes: number;
-  max_sessions: number;
-  idle_timeout_s: number;
-  max_tokens_cap: number;
-  /** Cap on resumable.grace_s; 0: no session is resumable. */
-  max_resume_grace_s: number;
-  server_version: string;
-  model: string;
-  protocol_version: string;
-}
-
-export interface Usage {
-  prompt_tokens: number;
-  completion_tokens: number;
-}
-
-/** Milliseconds from acceptance; null where not measured. */
-export interface Timing {
-  queue_ms: number | null;
-  ttft_ms: number | null;
-  total_ms: number | null;
-}
-
-/** The session's context after a reply. */
-export interface RetentionState {
-  frames_retained: number;
-  frames_evicted: number;
-  tokens_retained: number;
-  kv_blocks_held: number;
-  consolidations: number;
-}
-
-export interface ErrorDetail {
-  type: ErrorType;
-  code: string;
-  message: string;
-  event_id: string | null;
-  session_survives: boolean;
-}
-
-interface ServerEventBase {
-  event_id: string;
-}
-
-export interface SessionCreatedEvent extends ServerEventBase {
-  type: "session.created";
-  session_id: string;
-  limits: Limits;
-}
-
-export interface SessionOpenedEvent extends ServerEventBase {
-  type: "session.opened";
-  session_id: string;
-  config: EffectiveSessionConfig;
-  limits: Limits;
-  /** Secret for session.resume; null unless the session is resumable. */
-  resume_token: string | null;
-}
-
-export interface InputAckEvent extends ServerEventBase {
-  type: "input.ack";
-  frame_index: number;
-  frame_id: string | null;
-  bytes: number;
-}
-
-export interface ResponseCreatedEvent extends ServerEventBase {
-  type: "response.created";
-  frame_index: number;
-  frame_id: string | null;
-}
-
-export interface ResponseTextDeltaEvent extends ServerEventBase {
-  type: "response.text.delta";
-  frame_index: number;
-  delta: string;
-}
-
-export interface ResponseDoneEvent extends ServerEventBase {
-  type: "response.done";
-  frame_index: number;
-  frame_id: string | null;
-  status: ResponseStatus;
-  status_reason: string | null;
-  text: string;
-  usage: Usage;
-  timing: Timing;
-  retention: RetentionState;
-}
-
-export interface SessionClosedEvent extends ServerEventBase {
-  type: "session.closed";
-  session_id: string;
-  reason: CloseReason;
-  frames_total: number;
-}
-
-export interface SessionResumedEvent extends ServerEventBase {
-  type: "session.resumed";
-  session_id: string;
-  config: EffectiveSessionConfig;
-  limits: Limits;
-  next_frame_index: number;
-  /** A chunk whose reply still runs: its response.done follows on this connection. */
-  in_flight_frame_index: number | null;
-  /** The response.done that finished while no connection was attached. */
-  missed_response: ResponseDoneEvent | null;
-  /** The new token (the old one no longer works). */
-  resume_token: string;
-}
-
-export interface ServerDrainingEvent extends ServerEventBase {
-  type: "server.draining";
-  seconds_left: number;
-}
-
-export interface ErrorEvent extends ServerEventBase {
-  type: "error";
-  error: ErrorDetail;
-}
-
-export type ServerEvent =
-  | SessionCreatedEvent
-  | SessionOpenedEvent
-  | InputAckEvent
-  | ResponseCreatedEvent
-  | ResponseTextDeltaEvent
-  | ResponseDoneEvent
-  | SessionClosedEvent
-  | SessionResumedEvent
-  | ServerDrainingEvent
-  | ErrorEvent;
+/** Errors the client raises itself (`local: true`), besides the wire's ErrorCode. */
+export type LocalErrorCode =
+  | "chunk_in_flight"
+  | "session_not_open"
+  | "session_already_open"
+  | "undecodable_frame"
+  | "frame_too_large"
+  | "timeout"
+  | "connection_failed"
+  | "connection_lost"
+  | "session_closed"
+  | "reconnecting";
 
 export type ServerEventType = ServerEvent["type"];
 export type ServerEventOf<T extends ServerEventType> = Extract<ServerEvent, { type: T }>;
@@ -229,11 +61,11 @@ export type ServerEventOf<T extends ServerEventType> = Extract<ServerEvent, { ty
  */
 export declare class RealtimeError extends Error {
   constructor(
-    code: string,
+    code: ErrorCode | LocalErrorCode,
     message: string,
     options?: { type?: ErrorType | "client_error"; sessionSurvives?: boolean; eventId?: string | null; local?: boolean },
   );
-  readonly code: string;
+  readonly code: ErrorCode | LocalErrorCode;
   readonly type: ErrorType | "client_error";
   readonly sessionSurvives: boolean;
   readonly eventId: string | null;

@@ -22,6 +22,7 @@ from protocol.errors import truncate
 
 # code -> (class name, type, session_survives); must match errors.py's docstring and the docs.
 TABLE: dict[str, tuple[str, str, bool]] = {
+    "invalid_request": ("InvalidRequestError", "invalid_request_error", True),
     "invalid_json": ("InvalidJson", "invalid_request_error", True),
     "invalid_event": ("InvalidEvent", "invalid_request_error", True),
     "unknown_event_type": ("UnknownEventType", "invalid_request_error", True),

@@ -3,6 +3,7 @@ import RealtimeClientDefault, {
   RealtimeClient,
   RealtimeError,
   type ResponseDoneEvent,
+  type ErrorCode,
   type ServerEvent,
   sniffMedia,
 } from "../realtime-client.js";
@@ -11,6 +12,11 @@ export async function demo(url: string, jpeg: Blob): Promise<number | null> {
   const client: RealtimeClient = await RealtimeClient.connect(url, { apiKey: "k", timeoutMs: 5000 });
   const opened = await client.open({ instructions: "hi", retention: { window_chunks: 4 }, sampling: { max_tokens: 8 } });
   const model: string | null = opened.config.model;
+  // Generated from protocol/: the echo has every field, limits and reservation included.
+  const clipCap: number | null = opened.limits.max_clip_frames;
+  const reserved: number | undefined = opened.reservation?.kv_blocks;
+  const code: ErrorCode = "capacity_exceeded";
+  console.log(clipCap, reserved, code, opened.config.retention.window_chunks);
   const off = client.on("response.text.delta", (event) => console.log(event.delta.length));
   client.on("event", (event: ServerEvent) => {
     if (event.type === "response.done") console.log(event.retention.kv_blocks_held);

@@ -1,0 +1,76 @@
+"""The generated wire types stay what protocol/ gives: `make types` regenerates them.
+
+protocol.schema.json is pydantic's JSON Schema of every event; protocol.d.ts is compiled from it
+by npm's json-schema-to-typescript. A change to protocol/ without `make types` fails here, and
+so does a hand edit of either file.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
+from protocol.schema import render, wire_schema
+from tests.clients.conftest import JS_DIR, need, need_tool
+
+SCHEMA_FILE = JS_DIR / "protocol.schema.json"
+TYPES_FILE = JS_DIR / "protocol.d.ts"
+REGENERATE = "run `make types` and commit the result"
+
+
+def test_committed_schema_is_what_the_protocol_gives() -> None:
+    assert SCHEMA_FILE.read_text(encoding="utf-8") == render(), REGENERATE
+
+
+def test_schema_names_every_event_once() -> None:
+    defs = wire_schema()["$defs"]
+    client = defs["ClientEvent"]["discriminator"]["mapping"]
+    server = defs["ServerEvent"]["discriminator"]["mapping"]
+    assert set(client) == set(CLIENT_EVENT_TYPES)
+    assert set(server) == set(SERVER_EVENT_TYPES)
+    # A config the client sends and the server's echo of it (defaults filled) are two types.
+    assert {"SessionConfig", "EffectiveSessionConfig"} <= set(defs)
+    assert set(defs["EffectiveSessionConfig"]["required"]) == set(
+        defs["EffectiveSessionConfig"]["properties"]
+    )
+    # Server events list every field as present: the server always sends them.
+    opened = defs["SessionOpenedEvent"]
+    assert set(opened["required"]) == set(opened["properties"])
+
+
+def test_error_codes_are_an_enum_of_the_codes_the_server_sends() -> None:
+    from protocol import ERROR_CLASSES
+
+    codes = wire_schema()["$defs"]["ErrorCode"]["enum"]
+    assert codes == sorted({cls.code for cls in ERROR_CLASSES})
+    assert "invalid_request" in codes
+
+
+@pytest.mark.slow  # node + the generator: a few seconds
+def test_committed_typescript_is_what_the_schema_compiles_to(tmp_path: Path) -> None:
+    node = need_tool("node", "install Node.js 20+")
+    generator = JS_DIR / "node_modules" / "json-schema-to-typescript"
+    need(
+        generator.is_dir(), "json-schema-to-typescript is not installed: npm ci --prefix clients/js"
+    )
+    schema = tmp_path / "protocol.schema.json"
+    schema.write_text(render(), encoding="utf-8")
+    out = tmp_path / "protocol.d.ts"
+    proc = subprocess.run(
+        [node, "scripts/gen-types.mjs", str(schema), str(out)],
+        cwd=JS_DIR,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert out.read_text(encoding="utf-8") == TYPES_FILE.read_text(encoding="utf-8"), REGENERATE
+
+
+def test_the_package_ships_the_generated_types() -> None:
+    package = json.loads((JS_DIR / "package.json").read_text(encoding="utf-8"))
+    assert {"protocol.d.ts", "protocol.schema.json"} <= set(package["files"])
