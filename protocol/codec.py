@@ -104,20 +104,32 @@ def parse_client_event(
 
     event_type = obj.get("type")
     if not isinstance(event_type, str):
-        raise UnknownEventType("event has no string 'type'", event_id=event_id)
+        raise UnknownEventType("event has no string 'type'", event_id=event_id, param="type")
     model = CLIENT_EVENT_TYPES.get(event_type)
     if model is None:
         shown = truncate(event_type, 60)
         hint = " (that is a server event)" if event_type in SERVER_EVENT_TYPES else ""
         expected = ", ".join(CLIENT_EVENT_TYPES)
         raise UnknownEventType(
-            f"unknown event type {shown!r}{hint}; expected one of {expected}", event_id=event_id
+            f"unknown event type {shown!r}{hint}; expected one of {expected}",
+            event_id=event_id,
+            param="type",
         )
     try:
         event: ClientEvent = model.model_validate(obj)
     except ValidationError as exc:
-        raise InvalidEvent(_describe(event_type, exc), event_id=event_id) from None
+        raise InvalidEvent(
+            _describe(event_type, exc), event_id=event_id, param=_first_param(exc)
+        ) from None
     return event
+
+
+def _first_param(exc: ValidationError) -> str | None:
+    """The dotted path of the first failing field (``retention.window_chunks``); None for an
+    event-level failure (e.g. not exactly one payload)."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    loc = [str(part) for part in errors[0]["loc"] if not isinstance(part, int)]
+    return ".".join(truncate(part, _MAX_LOC_PART_CHARS) for part in loc) or None
 
 
 def _describe(event_type: str, exc: ValidationError) -> str:

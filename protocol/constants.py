@@ -27,4 +27,6 @@ MAX_EVENT_ID_CHARS: Final = 256
 """Longest client `event_id` accepted (and therefore ever echoed back in an `error`)."""
 
 MAX_ERROR_MESSAGE_CHARS: Final = 500
+MAX_PARAM_CHARS: Final = 128
+"""Longest ``error.param`` (a field path; loc parts are cut before that)."""
 """Longest `error.message` the server sends; longer messages are truncated with an ellipsis."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from protocol.constants import MAX_ERROR_MESSAGE_CHARS
+from protocol.constants import MAX_ERROR_MESSAGE_CHARS, MAX_PARAM_CHARS
 from protocol.events import ErrorDetail, ErrorEvent, ErrorType
 
 __all__ = [
@@ -115,11 +115,17 @@ class RealtimeError(Exception):
 
     message: str
     event_id: str | None
+    param: str | None
 
-    def __init__(self, message: str | None = None, *, event_id: str | None = None) -> None:
+    def __init__(
+        self, message: str | None = None, *, event_id: str | None = None, param: str | None = None
+    ) -> None:
         text = _wire_safe(message or self.default_message)
         self.message = truncate(text, MAX_ERROR_MESSAGE_CHARS)
         self.event_id = event_id if event_id is None or _encodable(event_id) else None
+        # The offending field's dotted path in the client event ("retention.window_chunks");
+        # None when no single field is at fault. Never the field's value.
+        self.param = truncate(_wire_safe(param), MAX_PARAM_CHARS) if param else None
         super().__init__(self.message)
 
     def __str__(self) -> str:
@@ -375,5 +381,6 @@ def error_event(exc: RealtimeError) -> ErrorEvent:
             message=exc.message,
             event_id=exc.event_id,
             session_survives=exc.session_survives,
+            param=exc.param,
         )
     )

@@ -536,6 +536,11 @@ class ErrorDetail(_Outbound):
     session_survives: bool = Field(
         description="True: the connection (and session, if open) stays usable."
     )
+    param: str | None = Field(
+        default=None,
+        description="The offending field of the client event, as a dotted path "
+        "(e.g. 'retention.window_chunks'); null: no single field is at fault.",
+    )
 
 
 # --------------------------------------------------------------------------- server events

@@ -595,6 +595,7 @@ class SessionProtocol:
                 f"session.open.model: {truncate(requested.model, 80)!r} is not served here; "
                 f"this server serves {self.limits.model!r}",
                 event_id=event.event_id,
+                param="model",
             )
         sampling = requested.sampling.model_copy(
             update={"max_tokens": min(requested.sampling.max_tokens, self.limits.max_tokens_cap)}
@@ -626,6 +627,7 @@ class SessionProtocol:
             raise InvalidEvent(
                 f"frame.append.{kind}: a {self.config.modality} session takes {wanted} payloads",
                 event_id=event.event_id,
+                param=kind,
             )
         if kind == "binary":
             self.pending_frame = event
@@ -634,7 +636,7 @@ class SessionProtocol:
         if kind == "text":
             assert event.text is not None
             data = event.text.encode("utf-8")
-            self._check_size(len(data), event.event_id)
+            self._check_size(len(data), event.event_id, param="text")
             return self._accept(event, nxt, kind="text", media=None, data=data)
         encoded = event.image if kind == "image" else event.video
         assert encoded is not None
@@ -642,33 +644,45 @@ class SessionProtocol:
             data = decode_base64_payload(encoded, max_bytes=self.limits.max_frame_bytes)
         except RealtimeError as exc:
             exc.event_id = event.event_id
+            exc.param = kind
             raise
         media = sniff_media(data)
-        self._check_format(kind, media, event.event_id)
+        self._check_format(kind, media, event.event_id, param=kind)
         return self._accept(event, nxt, kind=kind, media=media, data=data)
 
-    def _check_size(self, size: int, event_id: str | None) -> None:
+    def _check_size(self, size: int, event_id: str | None, param: str | None = None) -> None:
         if size > self.limits.max_frame_bytes:
             raise FrameTooLarge(
                 f"payload is {size} bytes; the limit is {self.limits.max_frame_bytes}",
                 event_id=event_id,
+                param=param,
             )
 
     def _check_format(
-        self, kind: Literal["image", "video"], media: MediaFormat | None, event_id: str | None
+        self,
+        kind: Literal["image", "video"],
+        media: MediaFormat | None,
+        event_id: str | None,
+        param: str | None = None,
     ) -> None:
+        """``param``: the event field that carried the payload (None: a binary message)."""
         assert self.config is not None
         if kind == "video":
             if media not in ("mp4", "webm"):
-                raise UndecodableFrame("video payload is not MP4 or WebM", event_id=event_id)
+                raise UndecodableFrame(
+                    "video payload is not MP4 or WebM", event_id=event_id, param=param
+                )
             return
         if media not in ("jpeg", "png", "webp"):
-            raise UndecodableFrame("image payload is not JPEG, PNG or WebP", event_id=event_id)
+            raise UndecodableFrame(
+                "image payload is not JPEG, PNG or WebP", event_id=event_id, param=param
+            )
         wanted = self.config.frame_format
         if wanted != "auto" and media != wanted:
             raise UndecodableFrame(
                 f"image payload is {media.upper()} but the session's frame_format is {wanted!r}",
                 event_id=event_id,
+                param=param,
             )
 
     def _accept(

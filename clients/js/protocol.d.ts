@@ -857,6 +857,10 @@ export interface ErrorDetail {
    * True: the connection (and session, if open) stays usable.
    */
   session_survives: boolean;
+  /**
+   * The offending field of the client event, as a dotted path (e.g. 'retention.window_chunks'); null: no single field is at fault.
+   */
+  param: string | null;
 }
 /**
  * Body of ``POST /v1/realtime/client_secrets`` (authenticated with the API key).

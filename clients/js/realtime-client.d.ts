@@ -63,13 +63,21 @@ export declare class RealtimeError extends Error {
   constructor(
     code: ErrorCode | LocalErrorCode,
     message: string,
-    options?: { type?: ErrorType | "client_error"; sessionSurvives?: boolean; eventId?: string | null; local?: boolean },
+    options?: {
+      type?: ErrorType | "client_error";
+      sessionSurvives?: boolean;
+      eventId?: string | null;
+      local?: boolean;
+      param?: string | null;
+    },
   );
   readonly code: ErrorCode | LocalErrorCode;
   readonly type: ErrorType | "client_error";
   readonly sessionSurvives: boolean;
   readonly eventId: string | null;
   readonly local: boolean;
+  /** The offending field of the client event, as a dotted path; null: none named. */
+  readonly param: string | null;
   static fromDetail(detail: ErrorDetail): RealtimeError;
 }
 

@@ -27,7 +27,11 @@ const WS_CLOSING = 2;
 
 /** An `error` event from the server, or a failure on the client's side (`local: true`). */
 export class RealtimeError extends Error {
-  constructor(code, message, { type = "client_error", sessionSurvives = true, eventId = null, local = false } = {}) {
+  constructor(
+    code,
+    message,
+    { type = "client_error", sessionSurvives = true, eventId = null, local = false, param = null } = {},
+  ) {
     super(`${code}: ${message}`);
     this.name = "RealtimeError";
     this.code = code;
@@ -35,6 +39,8 @@ export class RealtimeError extends Error {
     this.sessionSurvives = sessionSurvives;
     this.eventId = eventId;
     this.local = local;
+    /** The offending field of the client event ("retention.window_chunks"), if the server named one. */
+    this.param = param;
   }
 
   /** The error of a server `error` event's body. */
@@ -43,6 +49,7 @@ export class RealtimeError extends Error {
       type: detail.type,
       sessionSurvives: detail.session_survives,
       eventId: detail.event_id ?? null,
+      param: detail.param ?? null,
     });
   }
 }

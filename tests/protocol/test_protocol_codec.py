@@ -216,3 +216,36 @@ def test_select_subprotocol_never_echoes_the_key() -> None:
     assert select_subprotocol(["vllm-realtime.auth.sk", "vllm-realtime"]) == "vllm-realtime"
     assert select_subprotocol(["vllm-realtime.auth.sk"]) is None
     assert select_subprotocol([]) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        ('{"type": "session.open", "retention": {"window_chunks": 0}}', "retention.window_chunks"),
+        ('{"type": "session.open", "sampling": {"max_tokens": "8"}}', "sampling.max_tokens"),
+        ('{"type": "frame.append", "image": "aGk=", "bogus": 1}', "bogus"),
+        ('{"type": "frame.teleport"}', "type"),
+        ('{"type": 7}', "type"),
+        # Not one field: the event as a whole (exactly one payload) or the JSON itself.
+        ('{"type": "frame.append", "image": "aGk=", "text": "x"}', None),
+        ("[1]", None),
+    ],
+)
+def test_error_param_names_the_offending_field(raw: str, param: str | None) -> None:
+    from protocol import RealtimeError, parse_client_event
+    from protocol.errors import error_event
+
+    with pytest.raises(RealtimeError) as caught:
+        parse_client_event(raw)
+    assert caught.value.param == param
+    assert error_event(caught.value).error.param == param  # and it reaches the wire
+
+
+def test_error_param_is_a_path_never_a_value() -> None:
+    from protocol import RealtimeError, parse_client_event
+
+    secret = "s3cr3t-value-" + "x" * 200
+    with pytest.raises(RealtimeError) as caught:
+        parse_client_event(json.dumps({"type": "session.open", "instructions": 5, "model": secret}))
+    assert caught.value.param == "instructions"
+    assert secret not in (caught.value.param or "")

@@ -81,6 +81,7 @@ def test_error_event_echoes(cls: type[RealtimeError]) -> None:
         "message": "it broke",
         "event_id": "client_7",
         "session_survives": cls.session_survives,
+        "param": None,
     }
     assert parse_server_event(encode_server_event(ev)) == ev
 

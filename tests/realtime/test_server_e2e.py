@@ -115,35 +115,47 @@ async def test_in_flight_rejection_is_documented_and_recoverable(server: Running
 
 
 @pytest.mark.parametrize(
-    ("message", "code"),
+    ("message", "code", "param"),
     [
-        ("{not json", "invalid_json"),
-        (json.dumps({"type": "frame.teleport"}), "unknown_event_type"),
-        (json.dumps({"type": "frame.append", "image": 42}), "invalid_event"),
-        (json.dumps({"type": "frame.append", "image": "aGVsbG8=", "bogus": 1}), "invalid_event"),
+        ("{not json", "invalid_json", None),
+        (json.dumps({"type": "frame.teleport"}), "unknown_event_type", "type"),
+        (json.dumps({"type": "frame.append", "image": 42}), "invalid_event", "image"),
+        (
+            json.dumps({"type": "frame.append", "image": "aGVsbG8=", "bogus": 1}),
+            "invalid_event",
+            "bogus",
+        ),
         (
             json.dumps(
                 {"type": "frame.append", "image": base64.b64encode(b"\xff\xd8\xffjunk").decode()}
             ),
             "undecodable_frame",
+            None,  # sniffed as JPEG, acked; the decoder refuses it later, as the chunk
+        ),
+        (
+            json.dumps({"type": "frame.append", "image": base64.b64encode(b"GIF89a").decode()}),
+            "undecodable_frame",
+            "image",
         ),
         (
             json.dumps(
                 {"type": "frame.append", "image": base64.b64encode(b"x" * (2 << 20)).decode()}
             ),
             "frame_too_large",
+            "image",
         ),
-        (json.dumps({"type": "response.cancel"}), "no_response_in_flight"),
+        (json.dumps({"type": "response.cancel"}), "no_response_in_flight", None),
     ],
 )
 async def test_bad_input_gets_documented_error_and_connection_lives(
-    server: RunningServer, message: str, code: str
+    server: RunningServer, message: str, code: str, param: str | None
 ) -> None:
     async with websockets.connect(server.url, subprotocols=SUBPROTOCOLS, max_size=None) as ws:
         await open_session(ws)
         await ws.send(message)
         err, seen = await recv_until(ws, "error")
         assert err["error"]["code"] == code, err
+        assert err["error"]["param"] == param, err  # the offending field, by its wire path
         # A payload that passes the cheap checks is accepted (acked) and fails at decode: its
         # response.done says so before the error.
         dones = [e for e in seen if e["type"] == "response.done"]

@@ -270,8 +270,11 @@ test("a refusal before input.ack rejects that frame with the server's code; the 
   const pending = client.appendFrame(JPEG);
   await tick();
   const { event_id } = ws.json().filter((e) => e.type === "frame.append").pop();
-  ws.emit({ type: "error", event_id: "e", error: { type: "invalid_request_error", code: "undecodable_frame", message: "bad", event_id, session_survives: true } });
-  await assert.rejects(pending, (err) => err.code === "undecodable_frame" && err.eventId === event_id && err.sessionSurvives);
+  ws.emit({ type: "error", event_id: "e", error: { type: "invalid_request_error", code: "undecodable_frame", message: "bad", event_id, session_survives: true, param: "image" } });
+  await assert.rejects(
+    pending,
+    (err) => err.code === "undecodable_frame" && err.eventId === event_id && err.sessionSurvives && err.param === "image",
+  );
   assert.equal(client.busy, false);
   assert.equal(client.closed, false);
   const next = client.appendFrame(JPEG);

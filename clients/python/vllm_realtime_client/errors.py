@@ -128,4 +128,4 @@ def error_from_detail(detail: ErrorDetail) -> RealtimeError:
     """
     cls = error_class_for(detail.code, detail.type)
     message = detail.message if cls.code == detail.code else f"[{detail.code}] {detail.message}"
-    return cls(message, event_id=detail.event_id)
+    return cls(message, event_id=detail.event_id, param=detail.param)
