@@ -100,8 +100,9 @@ def new_event_id() -> str:
 
 
 def new_session_id() -> str:
-    """Return a fresh session id: ``sess_`` followed by 24 random hex characters."""
-    return "sess_" + secrets.token_hex(12)
+    """Return a fresh session id: ``sess_`` followed by 32 random hex characters (128 bits: an
+    id is all that names an HTTP session of a server without API keys, so it is unguessable)."""
+    return "sess_" + secrets.token_hex(16)
 
 
 # --------------------------------------------------------------------------- bases

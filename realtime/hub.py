@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from protocol import (
     SessionProtocol,
     Timing,
     Usage,
+    new_session_id,
 )
 from realtime import __version__
 from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_or_default
@@ -181,9 +181,7 @@ class SessionHub:
         )
 
     def new_protocol(self) -> SessionProtocol:
-        # 128 random bits: a session id is the only thing that names an HTTP session of a server
-        # without API keys, so it must not be guessable (protocol.new_session_id gives 96 bits).
-        return SessionProtocol(self.limits(), session_id="sess_" + secrets.token_hex(16))
+        return SessionProtocol(self.limits(), session_id=new_session_id())
 
     # -- admission (the arithmetic is realtime/admission.py)
 

@@ -169,7 +169,7 @@ def _leaves(obj: Any) -> list[Any]:
 def test_ids_are_fresh() -> None:
     ids = {new_event_id() for _ in range(100)}
     assert len(ids) == 100
-    assert re.fullmatch(r"sess_[0-9a-f]{24}", new_session_id())
+    assert re.fullmatch(r"sess_[0-9a-f]{32}", new_session_id())
     assert SessionCreatedEvent(session_id="s", limits=LIMITS).event_id != (
         SessionCreatedEvent(session_id="s", limits=LIMITS).event_id
     )
