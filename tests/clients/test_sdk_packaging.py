@@ -31,9 +31,12 @@ def test_wheel_carries_protocol_and_needs_only_pydantic_and_websockets(tmp_path:
         assert "vllm_realtime_client/py.typed" in names
         zf.extractall(tmp_path / "unpacked")
     requires = sorted(
-        r.split(">")[0].split("=")[0].strip() for r in metadata.get_all("Requires-Dist")
+        r.split(">")[0].split("=")[0].strip()
+        for r in metadata.get_all("Requires-Dist")
+        if "extra ==" not in r  # optional: `[video]` (PyAV) for stream_video
     )
     assert requires == ["pydantic", "websockets"]
+    assert "video" in metadata.get_all("Provides-Extra")
     # Importing it loads neither vLLM, torch nor the server.
     check = (
         "import sys; sys.path.insert(0, sys.argv[1]); import vllm_realtime_client, protocol; "

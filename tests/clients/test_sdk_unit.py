@@ -9,6 +9,7 @@ import json
 import pytest
 from vllm_realtime_client import (
     CapacityExceeded,
+    ChunkInFlight,
     ConnectionLost,
     ContextExceeded,
     FrameTooLarge,
@@ -124,11 +125,51 @@ async def test_local_checks_need_no_round_trip() -> None:
         assert frames_sent(srv.received) == []
 
 
-async def test_concurrent_appends_are_serialized_one_in_flight() -> None:
+async def test_a_second_append_in_flight_is_refused_locally_as_in_js() -> None:
+    """One rule for both SDKs (docs/protocol.md, "One chunk in flight"): no hidden queue."""
     async with fake_server() as srv, connect(srv.url, config={}) as session:
-        dones = await asyncio.gather(*(session.append_frame(FAKE_JPEG) for _ in range(4)))
-        assert sorted(d.frame_index for d in dones) == [0, 1, 2, 3]
+        results = await asyncio.gather(
+            *(session.append_frame(FAKE_JPEG) for _ in range(4)), return_exceptions=True
+        )
+        done = [r for r in results if not isinstance(r, BaseException)]
+        refused = [r for r in results if isinstance(r, BaseException)]
+        assert [d.frame_index for d in done] == [0]
+        assert [type(r) for r in refused] == [ChunkInFlight] * 3
+        assert len(frames_sent(srv.received)) == 1  # the server was never asked
         assert session.errors == type(session.errors)()  # no chunk_in_flight came back
+
+
+async def test_offer_frame_drops_while_busy_and_events_iterate_in_order() -> None:
+    async with fake_server() as srv, connect(srv.url, config={}) as session:
+        seen: list[str] = []
+
+        async def watch() -> None:
+            async for event in session:
+                seen.append(event.type)
+                if event.type == "session.closed":
+                    return
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0)
+        made: list[int] = []
+
+        def capture() -> bytes:
+            made.append(1)
+            return FAKE_JPEG
+
+        first = asyncio.create_task(session.offer_frame(capture, prompt="slow"))
+        await asyncio.sleep(0.05)
+        assert session.busy
+        assert await session.offer_frame(capture) is None  # dropped, never captured
+        assert (session.dropped, len(made)) == (1, 1)
+        done = await first
+        assert done is not None and done.frame_index == 0
+        again = await session.offer_frame(FAKE_JPEG)
+        assert again is not None and again.frame_index == 1
+        await session.close()
+        await asyncio.wait_for(watcher, 5)
+    assert seen.count("response.done") == 2 and seen[-1] == "session.closed"
+    assert seen.index("input.ack") < seen.index("response.done")
 
 
 async def test_failed_reply_is_returned_and_its_trailing_error_kept() -> None:

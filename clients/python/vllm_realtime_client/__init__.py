@@ -35,6 +35,7 @@ from protocol.events import (
     Timing,
     Usage,
 )
+from vllm_realtime_client.client_secrets import mint_client_secret, mint_client_secret_sync
 from vllm_realtime_client.errors import (
     AuthError,
     CapacityError,
@@ -111,4 +112,6 @@ __all__ = [
     "Usage",
     "__version__",
     "connect",
+    "mint_client_secret",
+    "mint_client_secret_sync",
 ]

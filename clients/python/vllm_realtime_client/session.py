@@ -35,8 +35,9 @@ import contextlib
 import enum
 import itertools
 import logging
+import os
 from collections import deque
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -77,6 +78,7 @@ from protocol.events import (
     SessionResumeEvent,
 )
 from vllm_realtime_client.errors import (
+    ChunkInFlight,
     ConnectError,
     ConnectionLost,
     FrameTooLarge,
@@ -100,6 +102,7 @@ AuthMethod: TypeAlias = Literal["header", "subprotocol"]
 
 _MAX_KEPT_ERRORS = 64
 _T = TypeVar("_T")
+_E = TypeVar("_E", SessionResumedEvent, SessionOpenedEvent)
 
 
 class _Default(enum.Enum):
@@ -150,6 +153,9 @@ class _Turn:
         self.created: ResponseCreatedEvent | None = None
         self.done: ResponseDoneEvent | None = None
         self.error: BaseException | None = None
+        # The caller gave up on it (timeout, task cancelled): the SDK cancelled it, so the next
+        # chunk waits for its response.done instead of being refused.
+        self.abandoned = False
 
     def matches(self, frame_index: int) -> bool:
         return self.ack is not None and self.ack.frame_index == frame_index
@@ -269,6 +275,8 @@ class RealtimeSession:
         close_timeout: float,
         on_event: Callable[[ServerEvent], None] | None,
         connector: Connector | None = None,
+        on_resumed: Callable[[SessionResumedEvent], None] | None = None,
+        on_reopened: Callable[[SessionOpenedEvent], None] | None = None,
     ) -> None:
         self._ws = ws
         self._created = created
@@ -279,6 +287,13 @@ class RealtimeSession:
         self._timeout = timeout
         self._close_timeout = close_timeout
         self._on_event = on_event
+        self._on_resumed = on_resumed
+        self._on_reopened = on_reopened
+        # Queues of the open `events()` iterators; None in a queue ends its iterator.
+        self._subscribers: set[asyncio.Queue[ServerEvent | None]] = set()
+        self.dropped = 0
+        """Frames :meth:`offer_frame` dropped because a chunk was in flight (or the session was
+        moving to a new connection)."""
         self._ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
         self._turn_lock = asyncio.Lock()
@@ -576,6 +591,125 @@ class RealtimeSession:
         )
         return await stream.result()
 
+    async def offer_frame(
+        self,
+        data: bytes | Callable[[], bytes | Awaitable[bytes]],
+        *,
+        prompt: str | None = None,
+        frame_id: str | None = None,
+        timestamp: float | None = None,
+        binary: bool = True,
+        reply: bool = True,
+        response_format: ResponseFormat | dict[str, Any] | None = None,
+        timeout: _Timeout = _DEFAULT,
+    ) -> ResponseDoneEvent | None:
+        """Send a frame if no chunk is in flight, else drop it and return None: how a live
+        source paces itself (the JS client's ``offerFrame``; nothing queues, so latency stays
+        one reply).  ``data`` may be a callable, so a frame is only captured or encoded when
+        it will be sent.  Drops are counted in :attr:`dropped`."""
+        if self.busy or not self._ready.is_set():
+            self.dropped += 1
+            return None
+        payload = data() if callable(data) else data
+        if not isinstance(payload, bytes):
+            payload = await payload
+        if self.busy or not self._ready.is_set():  # taken while the frame was being made
+            self.dropped += 1
+            return None
+        stream = self.stream_frame(
+            payload,
+            prompt=prompt,
+            frame_id=frame_id,
+            timestamp=timestamp,
+            binary=binary,
+            reply=reply,
+            response_format=response_format,
+            timeout=timeout,
+        )
+        return await stream.result()
+
+    async def stream_video(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        fps: float = 1.0,
+        prompt: str | None = None,
+        reply_every: int = 1,
+        width: int | None = None,
+        height: int | None = None,
+        realtime: bool = True,
+        max_frames: int | None = None,
+        timeout: _Timeout = _DEFAULT,
+    ) -> AsyncIterator[ResponseDoneEvent]:
+        """Stream a video file (or any URL FFmpeg opens) into the session as JPEG frames, one
+        every ``1/fps`` seconds of video time, and yield each ``response.done``.
+
+        ``realtime=True`` plays the video at its own pace and offers each frame when it is
+        due: a frame due while a reply is still running is dropped (counted in
+        :attr:`dropped`), as a live camera would be.  ``realtime=False`` sends every sampled
+        frame, each after the previous reply.  Every ``reply_every``-th frame is answered
+        (with ``prompt``); the others are only watched (status ``ingested``).  Needs PyAV
+        (``pip install 'vllm-realtime-client[video]'``)."""
+        from vllm_realtime_client.video import sample_jpegs
+
+        if reply_every < 1:
+            raise ValueError(f"reply_every must be >= 1, got {reply_every}")
+        frames = sample_jpegs(source, fps=fps, width=width, height=height)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pending: asyncio.Task[ResponseDoneEvent | None] | None = None
+        for number, (at, jpeg) in enumerate(frames):
+            if max_frames is not None and number >= max_frames:
+                break
+            if realtime:
+                await asyncio.sleep(max(0.0, start + at - loop.time()))
+            elif pending is not None:
+                await asyncio.wait([pending])
+            if pending is not None and pending.done():
+                finished, pending = pending.result(), None
+                if finished is not None:
+                    yield finished
+            answer = number % reply_every == reply_every - 1
+            offer = self.offer_frame(
+                jpeg,
+                prompt=prompt if answer else None,
+                frame_id=f"video-{number}",
+                timestamp=at,
+                reply=answer,
+                timeout=timeout,
+            )
+            if pending is not None:  # still busy: this frame's moment has passed
+                offer.close()
+                self.dropped += 1
+                continue
+            pending = asyncio.ensure_future(offer)
+        if pending is not None:
+            finished = await pending
+            if finished is not None:
+                yield finished
+
+    def events(self) -> AsyncIterator[ServerEvent]:
+        """Every server event from now on, in order, until the session ends: ``async for
+        event in session.events()`` (or ``async for event in session``).  Each iterator gets
+        every event; stop iterating (``break``) to unsubscribe."""
+        queue: asyncio.Queue[ServerEvent | None] = asyncio.Queue()
+        self._subscribers.add(queue)
+        if self._ended.is_set():
+            queue.put_nowait(None)
+        return self._iterate(queue)
+
+    def __aiter__(self) -> AsyncIterator[ServerEvent]:
+        return self.events()
+
+    async def _iterate(
+        self, queue: asyncio.Queue[ServerEvent | None]
+    ) -> AsyncIterator[ServerEvent]:
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+        finally:
+            self._subscribers.discard(queue)
+
     async def cancel(self, *, timeout: _Timeout = _DEFAULT) -> ResponseDoneEvent | None:
         """Cancel the reply in flight and return its ``response.done`` (None if none was in
         flight).  Its status is ``cancelled``, or ``completed`` if it finished first."""
@@ -676,6 +810,13 @@ class RealtimeSession:
             raise SessionNotOpen("call open() before sending chunks")
         async with self._turn_lock:
             previous = self._turn
+            if previous is not None and not previous.finished.is_set() and not previous.abandoned:
+                # One rule with the JS client (docs/protocol.md, "One chunk in flight"): no
+                # hidden queue; a live source uses offer_frame, which drops instead.
+                raise ChunkInFlight(
+                    "a chunk is already in flight; wait for its response.done "
+                    "(or use offer_frame, which drops frames while busy)"
+                )
             if previous is not None and not previous.finished.is_set():
                 remaining = None if deadline is None else max(deadline - loop.time(), 0)
                 try:
@@ -717,11 +858,13 @@ class RealtimeSession:
         try:
             return await asyncio.wait_for(turn.events.get(), remaining)
         except asyncio.TimeoutError:
+            turn.abandoned = True
             self._spawn(self._send_cancel(turn))
             raise ResponseTimeout("the reply did not finish in time; it was cancelled") from None
         except asyncio.CancelledError:
             # The caller gave up: stop the engine work, keep the session usable.
             if not turn.finished.is_set():
+                turn.abandoned = True
                 self._spawn(self._send_cancel(turn))
             raise
 
@@ -891,6 +1034,7 @@ class RealtimeSession:
             )
             self._next_index = answer.next_frame_index
             self._emit(answer)
+            self._call_hook(self._on_resumed, answer)
             if pending:
                 assert turn is not None
                 missed = answer.missed_response
@@ -910,6 +1054,15 @@ class RealtimeSession:
             self._resume_token = answer.resume_token
             self._next_index = 0
             self._emit(answer)
+            if self._on_reopened is None:
+                # Never silent: the context the old session held is gone.
+                log.warning(
+                    "session could not be resumed: new session %s (generation %d) replaced it; "
+                    "its context is lost (pass on_reopened= to handle this)",
+                    answer.session_id[:12],
+                    self.generation,
+                )
+            self._call_hook(self._on_reopened, answer)
             if pending:
                 assert turn is not None
                 if turn.ack is None:
@@ -934,11 +1087,22 @@ class RealtimeSession:
                 await self._ws.send(message)
 
     def _emit(self, event: ServerEvent) -> None:
+        for queue in self._subscribers:
+            queue.put_nowait(event)
         if self._on_event is not None:
             try:
                 self._on_event(event)
             except Exception:
                 log.exception("on_event callback failed")
+
+    @staticmethod
+    def _call_hook(hook: Callable[[_E], None] | None, event: _E) -> None:
+        if hook is None:
+            return
+        try:
+            hook(event)
+        except Exception:
+            log.exception("%s hook failed", event.type)
 
     def _end(self, exc: BaseException) -> None:
         """The socket is gone: fail whatever still waits."""
@@ -948,6 +1112,8 @@ class RealtimeSession:
             self._fatal = exc
         self._fail_pending(self._fatal or exc, include_acked=True)
         self._ended.set()
+        for queue in self._subscribers:
+            queue.put_nowait(None)
 
     def _fail_pending(self, exc: BaseException, *, include_acked: bool) -> None:
         if self._open_wait is not None and not self._open_wait[1].done():
@@ -1040,6 +1206,8 @@ class Connector:
         on_event: Callable[[ServerEvent], None] | None,
         max_retries: int = 8,
         retry_backoff: float = 0.5,
+        on_resumed: Callable[[SessionResumedEvent], None] | None = None,
+        on_reopened: Callable[[SessionOpenedEvent], None] | None = None,
     ) -> None:
         if auth not in ("header", "subprotocol"):
             raise ValueError(f"auth must be 'header' or 'subprotocol', not {auth!r}")
@@ -1053,6 +1221,8 @@ class Connector:
         self.on_event = on_event
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
+        self.on_resumed = on_resumed
+        self.on_reopened = on_reopened
         self._session: RealtimeSession | None = None
 
     def __await__(self) -> Generator[Any, None, RealtimeSession]:
@@ -1080,6 +1250,8 @@ class Connector:
             close_timeout=self.close_timeout,
             on_event=self.on_event,
             connector=self,
+            on_resumed=self.on_resumed,
+            on_reopened=self.on_reopened,
         )
         if self.config is not None:
             try:
@@ -1148,6 +1320,8 @@ def connect(
     on_event: Callable[[ServerEvent], None] | None = None,
     max_retries: int = 8,
     retry_backoff: float = 0.5,
+    on_resumed: Callable[[SessionResumedEvent], None] | None = None,
+    on_reopened: Callable[[SessionOpenedEvent], None] | None = None,
 ) -> Connector:
     """Connect to a vllm-realtime server; ``await`` it or use ``async with``.
 
@@ -1167,6 +1341,11 @@ def connect(
     :param max_retries: connection attempts a resilient session (opened with ``resumable``)
         makes to resume or reopen before it gives up with :class:`ConnectionLost`.
     :param retry_backoff: seconds before the second attempt; doubled each time, up to 8 s.
+    :param on_resumed: called when a resilient session resumed on a new connection (its
+        context intact).
+    :param on_reopened: called when a resilient session could not be resumed and a NEW session
+        with the same settings replaced it (after a drain, or a refused resume): the context the
+        old one held is gone.  Without this hook a reopen is logged as a warning.
     """
     return Connector(
         url,
@@ -1179,4 +1358,6 @@ def connect(
         on_event=on_event,
         max_retries=max_retries,
         retry_backoff=retry_backoff,
+        on_resumed=on_resumed,
+        on_reopened=on_reopened,
     )

@@ -22,21 +22,16 @@ import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from protocol.events import (
-    FrameFormat,
     InputAckEvent,
     Limits,
-    Modality,
     ResponseDoneEvent,
     ResponseTextDeltaEvent,
-    RetentionConfig,
-    SamplingConfig,
     ServerEvent,
     SessionClosedEvent,
     SessionConfig,
-    SessionOpenedEvent,
 )
 from vllm_realtime_client.session import AuthMethod, RealtimeSession, ResponseStream
 from vllm_realtime_client.session import connect as async_connect
@@ -115,6 +110,31 @@ class SyncResponseStream:
         return self._runner.run(self._stream.result())
 
 
+P = ParamSpec("P")
+
+
+def _blocking(
+    method: Callable[Concatenate[RealtimeSession, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[SyncSession, P], T]:
+    def call(self: SyncSession, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._runner.run(method(self._session, *args, **kwargs))
+
+    call.__name__ = method.__name__
+    call.__doc__ = f"Blocking :meth:`RealtimeSession.{method.__name__}`.\n\n{method.__doc__ or ''}"
+    return call
+
+
+def _streaming(
+    method: Callable[Concatenate[RealtimeSession, P], ResponseStream],
+) -> Callable[Concatenate[SyncSession, P], SyncResponseStream]:
+    def call(self: SyncSession, /, *args: P.args, **kwargs: P.kwargs) -> SyncResponseStream:
+        return SyncResponseStream(self._runner, method(self._session, *args, **kwargs))
+
+    call.__name__ = method.__name__
+    call.__doc__ = f"Blocking :meth:`RealtimeSession.{method.__name__}`; iterate its deltas."
+    return call
+
+
 class SyncSession:
     """Blocking twin of :class:`~vllm_realtime_client.session.RealtimeSession`."""
 
@@ -147,63 +167,18 @@ class SyncSession:
         """The ``session.closed`` event, once the session ended."""
         return self._session.closed
 
-    def open(
-        self,
-        config: SessionConfig | Mapping[str, Any] | None = None,
-        *,
-        instructions: str | None = None,
-        modality: Modality | None = None,
-        retention: RetentionConfig | Mapping[str, Any] | None = None,
-        sampling: SamplingConfig | Mapping[str, Any] | None = None,
-        frame_format: FrameFormat | None = None,
-        model: str | None = None,
-        **kwargs: Any,
-    ) -> SessionOpenedEvent:
-        """Send ``session.open``; see :meth:`RealtimeSession.open`."""
-        return self._runner.run(
-            self._session.open(
-                config,
-                instructions=instructions,
-                modality=modality,
-                retention=retention,
-                sampling=sampling,
-                frame_format=frame_format,
-                model=model,
-                **kwargs,
-            )
-        )
-
-    def append_frame(self, data: bytes, **kwargs: Any) -> ResponseDoneEvent:
-        """Send one image or clip; return its ``response.done``."""
-        return self._runner.run(self._session.append_frame(data, **kwargs))
-
-    def stream_frame(self, data: bytes, **kwargs: Any) -> SyncResponseStream:
-        """Send one image or clip; iterate its deltas."""
-        return SyncResponseStream(self._runner, self._session.stream_frame(data, **kwargs))
-
-    def ingest_frame(self, data: bytes, **kwargs: Any) -> ResponseDoneEvent:
-        """See :meth:`RealtimeSession.ingest_frame` (watch a frame, no reply)."""
-        return self._runner.run(self._session.ingest_frame(data, **kwargs))
-
-    def ask(self, question: str, **kwargs: Any) -> ResponseDoneEvent:
-        """See :meth:`RealtimeSession.ask`."""
-        return self._runner.run(self._session.ask(question, **kwargs))
-
-    def stream_ask(self, question: str, **kwargs: Any) -> SyncResponseStream:
-        """See :meth:`RealtimeSession.stream_ask`."""
-        return SyncResponseStream(self._runner, self._session.stream_ask(question, **kwargs))
-
-    def append_text(self, text: str, **kwargs: Any) -> ResponseDoneEvent:
-        """Send one text turn; return its ``response.done``."""
-        return self._runner.run(self._session.append_text(text, **kwargs))
-
-    def stream_text(self, text: str, **kwargs: Any) -> SyncResponseStream:
-        """Send one text turn; iterate its deltas."""
-        return SyncResponseStream(self._runner, self._session.stream_text(text, **kwargs))
-
-    def cancel(self, **kwargs: Any) -> ResponseDoneEvent | None:
-        """Cancel the reply in flight; return its ``response.done``."""
-        return self._runner.run(self._session.cancel(**kwargs))
+    # Each method is the async one run on the client's loop, with its exact signature
+    # (ParamSpec): a type checker sees the same parameters as RealtimeSession's.
+    open = _blocking(RealtimeSession.open)
+    append_frame = _blocking(RealtimeSession.append_frame)
+    ingest_frame = _blocking(RealtimeSession.ingest_frame)
+    offer_frame = _blocking(RealtimeSession.offer_frame)
+    ask = _blocking(RealtimeSession.ask)
+    append_text = _blocking(RealtimeSession.append_text)
+    cancel = _blocking(RealtimeSession.cancel)
+    stream_frame = _streaming(RealtimeSession.stream_frame)
+    stream_ask = _streaming(RealtimeSession.stream_ask)
+    stream_text = _streaming(RealtimeSession.stream_text)
 
     def close(self, *, timeout: float | None = None) -> SessionClosedEvent | None:
         """End the session and stop the client's thread."""
