@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.soak import _engine_settings, _recv_until, serve
-from bench.vlm_accuracy import DESCRIBE, INSTRUCTIONS, QUESTIONS
-from realtime.models.synth_frames import COLOURS, FrameSpec, draw_frame
+from training.synth_frames import COLOURS, FrameSpec, draw_frame
+from training.vlm_accuracy import DESCRIBE, INSTRUCTIONS, QUESTIONS
 
 MODEL = "smol-qwen2-vl"
 MARKER = "purple"
@@ -114,7 +114,7 @@ def reply_format(kind: str) -> dict[str, Any]:
     if kind == "free":
         return {}
     if kind == "describe":  # every tuned description: colour, shape, count and background
-        from realtime.models.vision_codes import all_specs, answer
+        from training.vision_codes import all_specs, answer
 
         sentences = sorted({answer("describe", s) for s in all_specs()})
     else:

@@ -1,7 +1,7 @@
 """Can SmolLM2 read a frame laid out as words? Exact targets in place of the tower, no training.
 
 Each layout fills the image tokens of a first-frame chat (rendered as the server renders it, with
-`bench/vlm_accuracy.py`'s instructions and questions) with exact SmolLM2 word embeddings, in
+`training/vlm_accuracy.py`'s instructions and questions) with exact SmolLM2 word embeddings, in
 transformers (float32, greedy): the vision tower is replaced by a stub that returns them, so the
 model's own mRoPE positions apply. A layout is what a perfect stage-1 tower would emit. Cases:
 6 colours × 3 shapes × counts 1–3, on white; three questions each.
@@ -47,8 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.vlm_accuracy import DESCRIBE, INSTRUCTIONS, QUESTIONS, named
-from realtime.models.synth_frames import COLOURS, COUNT_WORDS, SHAPES, FrameSpec, draw_frame
+from training.synth_frames import COLOURS, COUNT_WORDS, SHAPES, FrameSpec, draw_frame
+from training.vlm_accuracy import DESCRIBE, INSTRUCTIONS, QUESTIONS, named
 
 N_TOKENS = 16
 
@@ -79,7 +79,7 @@ def layout(name: str, spec: FrameSpec, w: Words) -> tuple[Any, list[int] | None]
     """(N_TOKENS × 576 image-token embeddings, or the phrase's token ids for `@text`)."""
     import torch
 
-    from realtime.models.vision_train import coverage
+    from training.vision_train import coverage
 
     c, s, n = spec.colour, plural(spec.shape, spec.count), COUNT_WORDS[spec.count]
     if name == "sum":
