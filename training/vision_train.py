@@ -43,7 +43,7 @@ OBJECT_COVERAGE = 0.3  # a merged patch at least this much covered by shapes is 
 # background), "objcol" (object patches " <colour>", the others " <shape(s)>"), or "mixed"
 # ("objcol" on white/black, which SmolLM2 reads best; on a coloured background the other patches
 # carry " <background>" + " <shape(s)>", so that a green scene such as Chromium's fake camera can
-# still read as green). Read with exact targets (bench/vlm_reading.py, docs/vlm.md).
+# still read as green). Read with exact targets (the one-off bench/vlm_reading.py, docs/vlm.md "Third round").
 LAYOUTS = ("sum", "objcol", "mixed")
 
 
