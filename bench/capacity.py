@@ -64,23 +64,8 @@ def _max_size_text(hub: Any, cap: int, video: bool = False) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    import websockets
-
-    from realtime.engine import EngineSettings
-    from retention.vllm_adapter.introspect import kv_stats, retention_state
-
     video = args.model != "smollm2-135m-instruct"
-    settings = EngineSettings(
-        model=args.model,
-        max_model_len=2048,
-        dtype="float32",
-        max_num_seqs=256,
-        block_size=args.block_size,
-    )
-    if args.pool_blocks:
-        # A pool of that many blocks (the tiny VLM's default KV size is thousands of blocks).
-        per_block = (args.block_size or 32) * _kv_bytes_per_token(args.model)
-        settings = settings.with_overrides(kv_cache_memory_bytes=args.pool_blocks * per_block)
+    settings = _settings(args)
     async with serve(settings, args.model, max_sessions=1000) as srv:
         hub = srv["hub"]
         engine = srv["engine"]
@@ -96,63 +81,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if video:
             text_cap = args.frame_text_tokens
             config["limits"] = {"max_chunk_tokens": text_cap, "max_clip_frames": 2}
-        sockets: list[Any] = []
-        reservation: dict[str, Any] | None = None
-        refusal = ""
-        while True:
-            ws = await websockets.connect(srv["url"], subprotocols=SUBPROTOCOLS, max_size=None)
-            await _recv(ws)
-            await ws.send(json.dumps(config))
-            reply = await _recv(ws)
-            if reply["type"] != "session.opened":
-                refusal = reply["error"]["message"]
-                await ws.close()
-                break
-            reservation = reply["reservation"]
-            sockets.append(ws)
+        sockets, reservation, refusal = await _open_until_refused(srv["url"], config)
         text = _max_size_text(hub, text_cap - 4, video)  # room for the turn number
         image = base64.b64encode(_large_image()).decode() if video else ""
-        peaks = [0] * len(sockets)
-        stalls = 0
-        latencies: list[float] = []
-
-        async def drive(i: int, ws: Any) -> None:
-            nonlocal stalls
-            for n in range(args.chunks):
-                t0 = time.perf_counter()
-                if video:
-                    event = {"type": "frame.append", "image": image, "prompt": f"{n} {text}"}
-                else:
-                    event = {"type": "frame.append", "text": f"{n} {text}"}
-                await ws.send(json.dumps(event))
-                while True:
-                    event = await asyncio.wait_for(_recv(ws), args.stall_s * 4)
-                    if event["type"] == "response.done":
-                        break
-                    if event["type"] == "error":
-                        stalls += 1
-                        return
-                dt = time.perf_counter() - t0
-                latencies.append(dt)
-                if event["status"] not in ("completed", "incomplete") or dt > args.stall_s:
-                    stalls += 1
-                peaks[i] = max(peaks[i], int(event["retention"]["kv_blocks_held"]))
-
         started = time.perf_counter()
-        await asyncio.gather(*(drive(i, ws) for i, ws in enumerate(sockets)))
+        driven = await asyncio.gather(*(_drive(ws, args, text, image, video) for ws in sockets))
+        peaks = [d[0] for d in driven]
+        stalls = sum(d[1] for d in driven)
+        latencies = [t for d in driven for t in d[2]]
         elapsed = time.perf_counter() - started
-        preemptions = 0
-        for sid in list(hub.sessions):
-            state = await retention_state(engine, sid)
-            if state is not None:
-                preemptions += int(state["preemptions"])
-        for ws in sockets:
-            await ws.close()
-        for _ in range(200):
-            if not hub.sessions and (await kv_stats(engine))["num_free_blocks"] == pool:
-                break
-            await asyncio.sleep(0.1)
-        free = (await kv_stats(engine))["num_free_blocks"]
+        preemptions, free = await _preemptions_and_settle(hub, engine, sockets, pool)
         peak = max(peaks) if peaks else 0
         physical_fit = pool // peak if peak else 0
         admitted = len(sockets)
@@ -187,6 +125,94 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if latencies
             else None,
         }
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from realtime.engine import EngineSettings
+
+    settings = EngineSettings(
+        model=args.model,
+        max_model_len=2048,
+        dtype="float32",
+        max_num_seqs=256,
+        block_size=args.block_size,
+    )
+    if args.pool_blocks:
+        # A pool of that many blocks (the tiny VLM's default KV size is thousands of blocks).
+        per_block = (args.block_size or 32) * _kv_bytes_per_token(args.model)
+        settings = settings.with_overrides(kv_cache_memory_bytes=args.pool_blocks * per_block)
+    return settings
+
+
+async def _open_until_refused(
+    url: str, config: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any] | None, str]:
+    """Open sessions until admission refuses one: the open sockets, the last reservation, the refusal."""
+    import websockets
+
+    sockets: list[Any] = []
+    reservation: dict[str, Any] | None = None
+    refusal = ""
+    while True:
+        ws = await websockets.connect(url, subprotocols=SUBPROTOCOLS, max_size=None)
+        await _recv(ws)
+        await ws.send(json.dumps(config))
+        reply = await _recv(ws)
+        if reply["type"] != "session.opened":
+            refusal = reply["error"]["message"]
+            await ws.close()
+            break
+        reservation = reply["reservation"]
+        sockets.append(ws)
+    return sockets, reservation, refusal
+
+
+async def _drive(
+    ws: Any, args: argparse.Namespace, text: str, image: str, video: bool
+) -> tuple[int, int, list[float]]:
+    """One session's chunks: its peak KV blocks, its stalls, its chunk latencies."""
+    peak, stalls, latencies = 0, 0, []
+    for n in range(args.chunks):
+        t0 = time.perf_counter()
+        if video:
+            event = {"type": "frame.append", "image": image, "prompt": f"{n} {text}"}
+        else:
+            event = {"type": "frame.append", "text": f"{n} {text}"}
+        await ws.send(json.dumps(event))
+        while True:
+            event = await asyncio.wait_for(_recv(ws), args.stall_s * 4)
+            if event["type"] == "response.done":
+                break
+            if event["type"] == "error":
+                return peak, stalls + 1, latencies
+        dt = time.perf_counter() - t0
+        latencies.append(dt)
+        if event["status"] not in ("completed", "incomplete") or dt > args.stall_s:
+            stalls += 1
+        peak = max(peak, int(event["retention"]["kv_blocks_held"]))
+    return peak, stalls, latencies
+
+
+async def _preemptions_and_settle(
+    hub: Any, engine: Any, sockets: list[Any], pool: int
+) -> tuple[int, int]:
+    """Preemptions the sessions saw; then close them all and wait for the pool to come back
+    (the free blocks after, to count leaks)."""
+    from retention.vllm_adapter.introspect import kv_stats, retention_state
+
+    preemptions = 0
+    for sid in list(hub.sessions):
+        state = await retention_state(engine, sid)
+        if state is not None:
+            preemptions += int(state["preemptions"])
+    for ws in sockets:
+        await ws.close()
+    for _ in range(200):
+        if not hub.sessions and (await kv_stats(engine))["num_free_blocks"] == pool:
+            break
+        await asyncio.sleep(0.1)
+    free = (await kv_stats(engine))["num_free_blocks"]
+    return preemptions, free
 
 
 def _kv_bytes_per_token(model: str) -> int:

@@ -230,7 +230,7 @@ def report(results: dict[str, dict], args: argparse.Namespace, title: str) -> No
         fig.savefig(args.plot, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text (default: Opticks)")
     p.add_argument("--tokens", type=int, default=20480, help="tokens scored (evicting configs)")
@@ -257,14 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="no model run: merge --json files of earlier runs into one table/plot",
     )
-    args = p.parse_args(argv)
-    if args.merge:
-        merged: dict[str, dict] = {}
-        for f in args.merge:
-            merged.update(json.loads(f.read_text()))
-        report(merged, args, f"SmolLM2-135M, chunk {args.chunk}, block {BLOCK_SIZE}")
-        return 0
+    return p
 
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, list[int], Path, int]:
+    """The model, its tokenizer, the text's token ids, the text's path, the position limit."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -285,12 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(ids) < args.tokens:
         print(f"warning: text has only {len(ids)} tokens", file=sys.stderr)
 
-    if not args.no_check:
+    if not args.no_check:  # the replay must compute what one dense forward pass does
         diff = check_dense(model, ids, args.chunk)
         print(f"check: chunked replay vs one forward, max |dNLL| = {diff:.2e}", file=sys.stderr)
         if diff > 1e-3:
             raise SystemExit("replay does not match a dense forward pass")
 
+    return model, tok, ids, text_path, max_position
+
+
+def _configs(args: argparse.Namespace) -> list[Config]:
     w, st = args.window, args.sink_tokens
     known = {
         "dense": Config("dense", None, args.dense_tokens),
@@ -310,32 +311,49 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in wanted if c not in known]
     if unknown:
         raise SystemExit(f"unknown configs {unknown}; known: {', '.join(known)}")
-    configs = [known[c] for c in wanted]
-    results: dict[str, dict] = {}
-    for cfg in configs:
-        t0 = time.perf_counter()
-        res = run_config(model, ids, cfg, args.chunk, max_position)
-        ppl = buckets(res["nll"], args.bucket)
-        total = math.exp(sum(res["nll"].values()) / len(res["nll"]))
-        results[cfg.name] = {
-            "ppl_per_bucket": ppl,
-            "bucket": args.bucket,
-            "plot_bucket": args.plot_bucket,
-            "ppl_per_plot_bucket": buckets(res["nll"], args.plot_bucket),
-            "ppl_total": total,
-            "tokens": len(res["nll"]) + 1,
-            "evictions": res["evictions"],
-            "consolidated_at": res["consolidated_at"],
-            "max_held": res["max_held"],
-            "seconds": round(time.perf_counter() - t0, 1),
-        }
-        print(
-            f"{cfg.name}: ppl {total:.2f} over {len(res['nll'])} tokens, "
-            f"{res['evictions']} evictions, consolidations at {res['consolidated_at']}, "
-            f"max held {res['max_held']}, {results[cfg.name]['seconds']} s",
-            file=sys.stderr,
-        )
+    return [known[c] for c in wanted]
 
+
+def _score(
+    model: Any, ids: list[int], cfg: Config, args: argparse.Namespace, max_position: int
+) -> dict[str, Any]:
+    """One configuration's replay, summarised (perplexity per bucket, evictions, time)."""
+    t0 = time.perf_counter()
+    res = run_config(model, ids, cfg, args.chunk, max_position)
+    ppl = buckets(res["nll"], args.bucket)
+    total = math.exp(sum(res["nll"].values()) / len(res["nll"]))
+    result = {
+        "ppl_per_bucket": ppl,
+        "bucket": args.bucket,
+        "plot_bucket": args.plot_bucket,
+        "ppl_per_plot_bucket": buckets(res["nll"], args.plot_bucket),
+        "ppl_total": total,
+        "tokens": len(res["nll"]) + 1,
+        "evictions": res["evictions"],
+        "consolidated_at": res["consolidated_at"],
+        "max_held": res["max_held"],
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    print(
+        f"{cfg.name}: ppl {total:.2f} over {len(res['nll'])} tokens, "
+        f"{res['evictions']} evictions, consolidations at {res['consolidated_at']}, "
+        f"max held {res['max_held']}, {result['seconds']} s",
+        file=sys.stderr,
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.merge:
+        merged: dict[str, dict] = {}
+        for f in args.merge:
+            merged.update(json.loads(f.read_text()))
+        report(merged, args, f"SmolLM2-135M, chunk {args.chunk}, block {BLOCK_SIZE}")
+        return 0
+
+    model, _tok, ids, text_path, max_position = _load(args)
+    results = {cfg.name: _score(model, ids, cfg, args, max_position) for cfg in _configs(args)}
     report(results, args, f"SmolLM2-135M, {text_path.name}, chunk {args.chunk}, block {BLOCK_SIZE}")
     return 0
 

@@ -95,6 +95,19 @@ MODE_TITLES = {
 
 
 def markdown(results: dict[str, Any], plots_rel: str = ".") -> str:
+    """The generated section of docs/benchmarks.md: one part per step of the run."""
+    parts = (
+        _md_setup(results),
+        _md_sessions(results),
+        _md_concurrency(results),
+        _md_overhead(results),
+        _md_notes_and_plots(results, plots_rel),
+    )
+    return "\n".join(line for part in parts for line in part) + "\n"
+
+
+def _md_setup(results: dict[str, Any]) -> list[str]:
+    """The command, the machine and the engine."""
     env = results["environment"]
     lines: list[str] = []
     add = lines.append
@@ -119,6 +132,13 @@ def markdown(results: dict[str, Any], plots_rel: str = ".") -> str:
         f"{text['start_s']:.0f} s."
     )
     add("")
+    return lines
+
+
+def _md_sessions(results: dict[str, Any]) -> list[str]:
+    """Per-frame latency of one session in each mode."""
+    lines: list[str] = []
+    add = lines.append
     add("### Per-frame latency, one session")
     add("")
     add(
@@ -151,36 +171,51 @@ def markdown(results: dict[str, Any], plots_rel: str = ".") -> str:
             f"{_pair(s['at']['100'])} | {_pair(s['at']['1000'])} | {ttft} | "
             f"{s['kv_blocks_max']} / {s['kv_blocks_last']} | {rss_txt} | {end_txt} |"
         )
+    return lines
+
+
+def _md_concurrency(results: dict[str, Any]) -> list[str]:
+    """N sessions at once (empty when the run had none)."""
+    lines: list[str] = []
+    add = lines.append
     conc = results.get("concurrency") or []
-    if conc:
-        rounds = max(int(r.get("round", 1)) for r in conc)
-        add("")
-        add("### Concurrency")
-        add("")
+    if not conc:
+        return []
+    rounds = max(int(r.get("round", 1)) for r in conc)
+    add("")
+    add("### Concurrency")
+    add("")
+    add(
+        f"N sessions at once on the same engine, {results['params']['concurrency_frames']} "
+        f"frames each (one chunk in flight per session), {rounds} round(s); in each round "
+        "the three modes of a level run back to back, in a rotated order. frames/s: each "
+        "round; latency: median over the rounds; KV blocks: sum over all requests, sampled "
+        "every 0.25 s (peak of the rounds / mean). Load: 1-minute load average after each run."
+    )
+    add("")
+    add(
+        "| mode | sessions | frames/s (total) | p50 / p95 latency (ms) "
+        "| KV blocks peak / mean | load | ended early |"
+    )
+    add("|---|---|---|---|---|---|---|")
+    for (mode, sessions), rows in grouped_concurrency(conc):
+        fps = " / ".join(f"{r['frames_per_s']:.2f}" for r in rows)
+        p50 = median([r["latency_p50_ms"] for r in rows])
+        p95 = median([r["latency_p95_ms"] for r in rows])
+        peak = max((r["kv_blocks_peak"] or 0) for r in rows)
+        mean = sum(r["kv_blocks_mean"] for r in rows) / len(rows)
+        load = " / ".join(f"{r['load_1min']:.0f}" for r in rows if "load_1min" in r) or "–"
         add(
-            f"N sessions at once on the same engine, {results['params']['concurrency_frames']} "
-            f"frames each (one chunk in flight per session), {rounds} round(s); in each round "
-            "the three modes of a level run back to back, in a rotated order. frames/s: each "
-            "round; latency: median over the rounds; KV blocks: sum over all requests, sampled "
-            "every 0.25 s (peak of the rounds / mean). Load: 1-minute load average after each run."
+            f"| {MODE_TITLES[mode]} | {sessions} | {fps} | {_ms(p50)} / {_ms(p95)} | "
+            f"{peak} / {mean:.0f} | {load} | {sum(r['ended'] for r in rows)} |"
         )
-        add("")
-        add(
-            "| mode | sessions | frames/s (total) | p50 / p95 latency (ms) "
-            "| KV blocks peak / mean | load | ended early |"
-        )
-        add("|---|---|---|---|---|---|---|")
-        for (mode, sessions), rows in grouped_concurrency(conc):
-            fps = " / ".join(f"{r['frames_per_s']:.2f}" for r in rows)
-            p50 = median([r["latency_p50_ms"] for r in rows])
-            p95 = median([r["latency_p95_ms"] for r in rows])
-            peak = max((r["kv_blocks_peak"] or 0) for r in rows)
-            mean = sum(r["kv_blocks_mean"] for r in rows) / len(rows)
-            load = " / ".join(f"{r['load_1min']:.0f}" for r in rows if "load_1min" in r) or "–"
-            add(
-                f"| {MODE_TITLES[mode]} | {sessions} | {fps} | {_ms(p50)} / {_ms(p95)} | "
-                f"{peak} / {mean:.0f} | {load} | {sum(r['ended'] for r in rows)} |"
-            )
+    return lines
+
+
+def _md_overhead(results: dict[str, Any]) -> list[str]:
+    """Retention's cost, timed in EngineCore (empty when not measured)."""
+    lines: list[str] = []
+    add = lines.append
     ov = results.get("retention_overhead")
     if ov:
         add("")
@@ -220,6 +255,13 @@ def markdown(results: dict[str, Any], plots_rel: str = ".") -> str:
                 f"~{_ms(ov['reprefill_extra_ms_mean'] * len(steps) / ov['frames'] * 1000)} ms per "
                 f"1000 frames."
             )
+    return lines
+
+
+def _md_notes_and_plots(results: dict[str, Any], plots_rel: str) -> list[str]:
+    """Notes and the plots' images."""
+    lines: list[str] = []
+    add = lines.append
     if results.get("notes"):
         add("")
         for note in results["notes"]:
@@ -228,7 +270,7 @@ def markdown(results: dict[str, Any], plots_rel: str = ".") -> str:
         add("")
         for name in results["plots"]:
             add(f"![{name}]({plots_rel}/{name})")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def update_doc(doc: Path, generated: str) -> None:
@@ -284,51 +326,62 @@ def plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
         made.append(name)
+    made += _plot_rss(plt, runs, out)
+    made += _plot_concurrency(plt, results.get("concurrency") or [], out)
+    return made
+
+
+def _plot_rss(plt: Any, runs: dict[str, Any], out: Path) -> list[str]:
+    """The engine processes' RSS against the frame, one line per mode."""
     rss_runs = {k: v["rss"] for k, v in runs.items() if v.get("rss")}
-    if rss_runs:
-        fig, ax = plt.subplots(figsize=(8, 4.2))
-        for key, rss in rss_runs.items():
-            ax.plot(
-                [p["frame"] + 1 for p in rss],
-                [p["total"] / 2**20 for p in rss],
-                label=MODE_TITLES.get(key, key),
+    if not rss_runs:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for key, rss in rss_runs.items():
+        ax.plot(
+            [p["frame"] + 1 for p in rss],
+            [p["total"] / 2**20 for p in rss],
+            label=MODE_TITLES.get(key, key),
+        )
+    ax.set_xlabel("frame")
+    ax.set_ylabel("engine processes RSS (MiB)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "rss_vs_frame.png", dpi=90)
+    plt.close(fig)
+    return ["rss_vs_frame.png"]
+
+
+def _plot_concurrency(plt: Any, conc: list[dict[str, Any]], out: Path) -> list[str]:
+    """Throughput and p95 latency against the number of sessions."""
+    if not conc:
+        return []
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    by_mode: dict[str, list[tuple[int, float | None, float | None]]] = {}
+    for (mode, sessions), rows in grouped_concurrency(conc):
+        by_mode.setdefault(mode, []).append(
+            (
+                sessions,
+                median([r["frames_per_s"] for r in rows]),
+                median([r["latency_p95_ms"] for r in rows]),
             )
-        ax.set_xlabel("frame")
-        ax.set_ylabel("engine processes RSS (MiB)")
+        )
+    for mode, pts in by_mode.items():
+        xs = [p[0] for p in pts]
+        axes[0].plot(xs, [p[1] for p in pts], marker="o", label=mode)
+        axes[1].plot(xs, [p[2] for p in pts], marker="o", label=mode)
+    axes[0].set_ylabel("total frames/s (median of rounds)")
+    axes[1].set_ylabel("p95 latency (ms, median of rounds)")
+    for ax in axes:
+        ax.set_xlabel("concurrent sessions")
+        ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "rss_vs_frame.png", dpi=90)
-        plt.close(fig)
-        made.append("rss_vs_frame.png")
-    conc = results.get("concurrency") or []
-    if conc:
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-        by_mode: dict[str, list[tuple[int, float | None, float | None]]] = {}
-        for (mode, sessions), rows in grouped_concurrency(conc):
-            by_mode.setdefault(mode, []).append(
-                (
-                    sessions,
-                    median([r["frames_per_s"] for r in rows]),
-                    median([r["latency_p95_ms"] for r in rows]),
-                )
-            )
-        for mode, pts in by_mode.items():
-            xs = [p[0] for p in pts]
-            axes[0].plot(xs, [p[1] for p in pts], marker="o", label=mode)
-            axes[1].plot(xs, [p[2] for p in pts], marker="o", label=mode)
-        axes[0].set_ylabel("total frames/s (median of rounds)")
-        axes[1].set_ylabel("p95 latency (ms, median of rounds)")
-        for ax in axes:
-            ax.set_xlabel("concurrent sessions")
-            ax.set_xscale("log", base=2)
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "concurrency.png", dpi=90)
-        plt.close(fig)
-        made.append("concurrency.png")
-    return made
+    fig.tight_layout()
+    fig.savefig(out / "concurrency.png", dpi=90)
+    plt.close(fig)
+    return ["concurrency.png"]
 
 
 def median(values: Sequence[float | None]) -> float | None:

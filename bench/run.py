@@ -3,7 +3,7 @@
     .venv/bin/python -m pip install -e ".[bench]"     # matplotlib, for the plots
     .venv/bin/python -m bench.run --frames 1000 --out docs/bench --update-doc docs/benchmarks.md
 
-One engine per model, the same frames for every mode (bench/frames.py):
+One engine per model, the same frames for every mode (bench/driver.py):
 
 (a) bounded: one streaming-input session with the server's default retention (sink 1 chunk,
     window 8 chunks), text turns on SmolLM2 (in-place eviction is implemented for 1D RoPE);
@@ -38,7 +38,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from bench.frames import INSTRUCTIONS, image_frame, text_frame
+from bench.driver import INSTRUCTIONS, image_frame, text_frame
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -533,6 +533,22 @@ async def compare_modes(
         modality=modality,
         multimodal=multimodal,
     )
+    await run_concurrency_levels(
+        engine, args, results, frames=frames, modality=modality, multimodal=multimodal
+    )
+    results["text_engine"]["free_blocks_at_end"] = await _free_blocks(engine)
+
+
+async def run_concurrency_levels(
+    engine: Any,
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    *,
+    frames: Any,
+    modality: str,
+    multimodal: bool,
+) -> None:
+    """Every concurrency level, every mode, `--concurrency-repeat` rounds."""
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     modes = [m for m in args.concurrency_modes.split(",") if m]
     # The machine's load drifts: modes at one level run back to back, in a rotated order each
@@ -549,7 +565,6 @@ async def compare_modes(
                 row["round"] = rnd + 1
                 row["load_1min"] = os.getloadavg()[0]
                 results["concurrency"].append(row)
-    results["text_engine"]["free_blocks_at_end"] = await _free_blocks(engine)
 
 
 def finish_results(results: dict[str, Any], t_start: float) -> None:

@@ -172,9 +172,14 @@ def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> 
 
 
 def check(router: int, ports: list[int], log: list[str]) -> bool:
-    from websockets.sync.client import connect
+    """Sessions through the router land on both replicas, over HTTP and over WebSocket."""
+    http_ok = _check_http(router, ports, log)
+    return _check_websocket(router, ports, log) and http_ok
 
-    from bench.frames import frame_jpeg
+
+def _check_http(router: int, ports: list[int], log: list[str]) -> bool:
+    """8 HTTP sessions, each with its own key: spread over the replicas by the key's hash."""
+    from bench.driver import frame_jpeg
 
     ok = True
     base = f"http://127.0.0.1:{router}"
@@ -226,7 +231,16 @@ def check(router: int, ports: list[int], log: list[str]) -> bool:
         status, _ = http("DELETE", f"{base}/v1/streaming/sessions/{sid}", key=key)
         ok &= status == 200
     log.append(f"HTTP: closed, per replica: {[sessions_on(p) for p in ports]}")
-    # WebSocket: two sessions, least_conn puts one on each replica.
+    return bool(ok)
+
+
+def _check_websocket(router: int, ports: list[int], log: list[str]) -> bool:
+    """Two WebSocket sessions: least_conn puts one on each replica."""
+    from websockets.sync.client import connect
+
+    from bench.driver import frame_jpeg
+
+    ok = True
     with contextlib.ExitStack() as stack:
         conns = []
         for _ in range(2):

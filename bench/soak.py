@@ -258,6 +258,23 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
                 with contextlib.suppress(websockets.exceptions.ConnectionClosed):
                     await _recv_until(ws, "session.closed")
         leaked = await _wait_pool_free(hub)
+    pool = {"usable_blocks": usable, "free_before": free0, "leaked_after_close": leaked}
+    summary = _summary(records, types_at_warm, heap_end)
+    return {
+        "mode": "soak",
+        "frames": len(records),
+        "seconds": round(time.perf_counter() - started, 1),
+        "retention": retention,
+        "frames_per_session": per_session,
+        **summary,
+        "pool": pool,
+    }
+
+
+def _summary(
+    records: list[dict[str, Any]], types_at_warm: dict[str, Any], heap_end: dict[str, Any]
+) -> dict[str, Any]:
+    """What the frames' records say: KV, RSS and heap slopes after the warm-up tenth, latency."""
     n = len(records)
     warm = records[n // 10 :] or records  # skip the warm-up tenth
     xs = [float(r["i"]) for r in warm]
@@ -265,11 +282,6 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     rss_slopes, rss_first_last = _per_1k_and_ends(warm, "rss")
     heap_slopes, heap_first_last = _per_1k_and_ends(warm, "heap")
     return {
-        "mode": "soak",
-        "frames": n,
-        "seconds": round(time.perf_counter() - started, 1),
-        "retention": retention,
-        "frames_per_session": per_session,
         "kv_blocks": {
             "min": min(r["kv_blocks"] for r in records),
             "max": max(r["kv_blocks"] for r in records),
@@ -304,7 +316,6 @@ async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
             "last_tenth": _quantiles([r["latency_ms"] for r in records[-tenth:]]),
             "slope_ms_per_1k_frames": round(slope(xs, [r["latency_ms"] for r in warm]) * 1000, 2),
         },
-        "pool": {"usable_blocks": usable, "free_before": free0, "leaked_after_close": leaked},
     }
 
 

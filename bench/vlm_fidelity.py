@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.soak import _engine_settings, _recv_until, serve
-from bench.vlm_accuracy import DESCRIBE, INSTRUCTIONS, QUESTIONS
-from realtime.models.synth_frames import COLOURS, FrameSpec, draw_frame
+from training.synth_frames import COLOURS, FrameSpec, draw_frame
+from training.vlm_accuracy import DESCRIBE, INSTRUCTIONS, QUESTIONS
 
 MODEL = "smol-qwen2-vl"
 MARKER = "purple"
@@ -114,7 +114,7 @@ def reply_format(kind: str) -> dict[str, Any]:
     if kind == "free":
         return {}
     if kind == "describe":  # every tuned description: colour, shape, count and background
-        from realtime.models.vision_codes import all_specs, answer
+        from training.vision_codes import all_specs, answer
 
         sentences = sorted({answer("describe", s) for s in all_specs()})
     else:
@@ -132,93 +132,78 @@ def frame_prompt(reply_format: str) -> str:
     return DESCRIBE if reply_format == "describe" else QUESTIONS["colour"]
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    import websockets
-
-    settings = _engine_settings(
-        str(args.model_dir) if args.model_dir else MODEL,
-        max_model_len=1024,
-        kv_cache_memory_bytes=64 << 20,
-        block_size=args.block_size,
-        extra={"limit_mm_per_prompt": {"image": 1, "video": 1}},
-    )
-    chunks = schedule(args.frames, args.window, args.probe_every, args.near_gap)
-    frame_rows: list[dict[str, Any]] = []
-    probe_rows: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    async with (
-        serve(settings, MODEL, max_sessions=2, retention_max_position=args.max_position) as srv,
-        websockets.connect(srv["url"], subprotocols=["vllm-realtime"]) as ws,
-    ):
-        await ws.recv()
-        retention = {"sink_chunks": 1, "window_chunks": args.window}
-        await ws.send(
-            json.dumps(
-                {
-                    "type": "session.open",
-                    "modality": "video",
-                    "instructions": INSTRUCTIONS,
-                    "retention": retention,
-                    "sampling": {"max_tokens": args.max_tokens} | reply_format(args.reply_format),
-                }
-            )
+async def _open(ws: Any, args: argparse.Namespace) -> None:
+    """Open the video session (and send the instructions' sink chunk when asked)."""
+    await ws.recv()
+    retention = {"sink_chunks": 1, "window_chunks": args.window}
+    await ws.send(
+        json.dumps(
+            {
+                "type": "session.open",
+                "modality": "video",
+                "instructions": INSTRUCTIONS,
+                "retention": retention,
+                "sampling": {"max_tokens": args.max_tokens} | reply_format(args.reply_format),
+            }
         )
-        opened = json.loads(await ws.recv())
-        assert opened["type"] == "session.opened", opened
-        if args.sink == "instructions":
-            await ws.send(json.dumps({"type": "frame.append", "text": SINK_TEXT, "reply": False}))
-            done = (await _recv_until(ws, "response.done"))[-1]
-            assert done["status"] == "ingested", done
-        for n, (kind, what) in enumerate(chunks, start=1):
-            asked = True
-            if kind == "frame":
-                n_frame, spec, seed = what
-                img, _ = draw_frame(spec, random.Random(seed), (320, 240))
-                asked = spec.colour == MARKER or n_frame % args.ask_every == 0
-                event = {"type": "frame.append", "image": _jpeg(img)}
-                if asked:
-                    event["prompt"] = frame_prompt(args.reply_format)
-                else:
-                    event["reply"] = False
-            else:
-                event = {"type": "frame.append", "text": PROBE}
-            await ws.send(json.dumps(event))
-            seen = await _recv_until(ws, "response.done")
-            done = seen[-1]
-            if done["status"] not in ("completed", "incomplete", "ingested"):
-                raise RuntimeError(f"chunk {n}: {done} {[e for e in seen if e['type'] == 'error']}")
-            text = (done.get("text") or "").lower()
-            if kind == "frame":
-                frame_rows.append(
-                    {
-                        "frame": n_frame + 1,
-                        "asked": asked,
-                        "colour": spec.colour,
-                        "right": spec.colour in text,
-                        "reply": done.get("text"),
-                        "evicted": done["retention"]["frames_evicted"],
-                        "consolidations": done["retention"]["consolidations"],
-                        "kv_blocks": done["retention"]["kv_blocks_held"],
-                    }
-                )
-            else:
-                probe_rows.append(
-                    {
-                        "chunk": n,
-                        "kind": what,
-                        "asked": True,
-                        "right": MARKER in text,
-                        "reply": done["text"],
-                    }
-                )
-            if n % 100 == 0:
-                print(
-                    f"chunk {n}: frames {len(frame_rows)} {time.perf_counter() - t0:.0f}s",
-                    flush=True,
-                )
-    if args.records:
-        args.records.parent.mkdir(parents=True, exist_ok=True)
-        args.records.write_text("".join(json.dumps(r) + "\n" for r in frame_rows + probe_rows))
+    )
+    opened = json.loads(await ws.recv())
+    assert opened["type"] == "session.opened", opened
+    if args.sink == "instructions":
+        await ws.send(json.dumps({"type": "frame.append", "text": SINK_TEXT, "reply": False}))
+        done = (await _recv_until(ws, "response.done"))[-1]
+        assert done["status"] == "ingested", done
+
+
+async def _chunk(
+    ws: Any, args: argparse.Namespace, n: int, kind: str, what: Any
+) -> tuple[str, dict[str, Any]]:
+    """Send chunk `n` (a drawn frame, asked or not, or a recall probe); its record."""
+    asked = True
+    if kind == "frame":
+        n_frame, spec, seed = what
+        img, _ = draw_frame(spec, random.Random(seed), (320, 240))
+        asked = spec.colour == MARKER or n_frame % args.ask_every == 0
+        event = {"type": "frame.append", "image": _jpeg(img)}
+        if asked:
+            event["prompt"] = frame_prompt(args.reply_format)
+        else:
+            event["reply"] = False
+    else:
+        event = {"type": "frame.append", "text": PROBE}
+    await ws.send(json.dumps(event))
+    seen = await _recv_until(ws, "response.done")
+    done = seen[-1]
+    if done["status"] not in ("completed", "incomplete", "ingested"):
+        raise RuntimeError(f"chunk {n}: {done} {[e for e in seen if e['type'] == 'error']}")
+    text = (done.get("text") or "").lower()
+    if kind == "frame":
+        return "frame", {
+            "frame": n_frame + 1,
+            "asked": asked,
+            "colour": spec.colour,
+            "right": spec.colour in text,
+            "reply": done.get("text"),
+            "evicted": done["retention"]["frames_evicted"],
+            "consolidations": done["retention"]["consolidations"],
+            "kv_blocks": done["retention"]["kv_blocks_held"],
+        }
+    return "probe", {
+        "chunk": n,
+        "kind": what,
+        "asked": True,
+        "right": MARKER in text,
+        "reply": done["text"],
+    }
+
+
+def _summary(
+    args: argparse.Namespace,
+    frame_rows: list[dict[str, Any]],
+    probe_rows: list[dict[str, Any]],
+    t0: float,
+) -> dict[str, Any]:
+    """Accuracy on the first and last frames, recall of the probes, the session's state at the end."""
 
     def acc(rows: list[dict[str, Any]]) -> float:
         rows = [r for r in rows if r["asked"]]
@@ -268,6 +253,40 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "probes": probe_rows,
         "frames_sample": frame_rows[:10] + frame_rows[-10:],
     }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import websockets
+
+    settings = _engine_settings(
+        str(args.model_dir) if args.model_dir else MODEL,
+        max_model_len=1024,
+        kv_cache_memory_bytes=64 << 20,
+        block_size=args.block_size,
+        extra={"limit_mm_per_prompt": {"image": 1, "video": 1}},
+    )
+    chunks = schedule(args.frames, args.window, args.probe_every, args.near_gap)
+    frame_rows: list[dict[str, Any]] = []
+    probe_rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    async with (
+        serve(settings, MODEL, max_sessions=2, retention_max_position=args.max_position) as srv,
+        websockets.connect(srv["url"], subprotocols=["vllm-realtime"]) as ws,
+    ):
+        await _open(ws, args)
+        for n, (kind, what) in enumerate(chunks, start=1):
+            which, row = await _chunk(ws, args, n, kind, what)
+            (frame_rows if which == "frame" else probe_rows).append(row)
+            if n % 100 == 0:
+                print(
+                    f"chunk {n}: frames {len(frame_rows)} {time.perf_counter() - t0:.0f}s",
+                    flush=True,
+                )
+    if args.records:
+        args.records.parent.mkdir(parents=True, exist_ok=True)
+        args.records.write_text("".join(json.dumps(r) + "\n" for r in frame_rows + probe_rows))
+
+    return _summary(args, frame_rows, probe_rows, t0)
 
 
 def main() -> None:

@@ -37,6 +37,8 @@ from protocol import (
     EngineError,
     Frame,
     InvalidEvent,
+    JsonObjectFormat,
+    JsonSchemaFormat,
     RealtimeError,
     ResponseFormat,
     SamplingConfig,
@@ -44,7 +46,6 @@ from protocol import (
 )
 from realtime.media import decode_clip, decode_image
 from realtime.prompt_format import ChatFormat, ChatFormatError
-from realtime.structured import structured_outputs
 from retention.policy import (
     CHUNK_HEAD_KEY,
     CHUNK_KIND_KEY,
@@ -54,6 +55,19 @@ from retention.policy import (
     idle_time_suffices,
 )
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
+
+
+def structured_outputs(fmt: ResponseFormat | None) -> Any:
+    """vLLM's StructuredOutputsParams for a reply format; None for free text (here, beside the
+    engine, so that realtime/structured.py validates formats without importing vLLM)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if isinstance(fmt, JsonSchemaFormat):
+        # Compact JSON: with free whitespace a weak model can pad a reply until max_tokens.
+        return StructuredOutputsParams(json=fmt.json_schema.schema_, disable_any_whitespace=True)
+    if isinstance(fmt, JsonObjectFormat):
+        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    return None
 
 
 @dataclass(frozen=True)

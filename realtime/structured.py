@@ -2,7 +2,8 @@
 
 Theory of operation: a reply format is checked once, when the client names it (session.open for
 the session's format, the chunk's own turn for a per-chunk override), and becomes
-`StructuredOutputsParams` on that chunk's `SamplingParams`. vLLM 0.32 does not carry a chunk's
+`StructuredOutputsParams` on that chunk's `SamplingParams` (`engine_session.structured_outputs`:
+this module checks formats without importing vLLM). vLLM 0.32 does not carry a chunk's
 grammar into a streaming-input session by itself; `retention/vllm_adapter/chunk_grammar.py` does.
 The backend is vLLM's "auto" choice; on the CPU build that is xgrammar.
 """
@@ -10,9 +11,8 @@ The backend is vLLM's "auto" choice; on the CPU build that is xgrammar.
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from protocol import InvalidRequestError, JsonObjectFormat, JsonSchemaFormat, ResponseFormat
+from protocol import InvalidRequestError, JsonSchemaFormat, ResponseFormat
 from protocol.errors import truncate
 
 
@@ -35,18 +35,6 @@ def check_response_format(fmt: ResponseFormat | None, where: str) -> None:
         json.dumps(schema)
     except (TypeError, ValueError):  # pragma: no cover (it came from JSON)
         raise InvalidRequestError(f"{where}.json_schema.schema is not JSON") from None
-
-
-def structured_outputs(fmt: ResponseFormat | None) -> Any:
-    """vLLM's StructuredOutputsParams for a reply format; None for free text."""
-    from vllm.sampling_params import StructuredOutputsParams
-
-    if isinstance(fmt, JsonSchemaFormat):
-        # Compact JSON: with free whitespace a weak model can pad a reply until max_tokens.
-        return StructuredOutputsParams(json=fmt.json_schema.schema_, disable_any_whitespace=True)
-    if isinstance(fmt, JsonObjectFormat):
-        return StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
-    return None
 
 
 def compile_check(fmt: ResponseFormat | None, where: str) -> None:

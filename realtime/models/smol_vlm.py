@@ -6,7 +6,7 @@ unchanged into the Qwen2-VL language model: Qwen2 attention is Llama attention p
 (set to zero), and mRoPE rotates text tokens with the same position on all three sections, so for
 text-only prompts the model computes exactly what SmolLM2 computes (tested: greedy equality
 through vLLM). The vision tower and merger are a small Qwen2-VL encoder trained on CPU
-(`realtime/models/vision_train.py`) to emit, for each merged 28×28-pixel patch, the SmolLM2 input
+(`training/vision_train.py`) to emit, for each merged 28×28-pixel patch, the SmolLM2 input
 embedding of a word describing what is there ("green" on a green background, "red" and "circle" on
 a red circle, ...): the language model then reads a frame as a handful of words. Its trained
 weights (fp16, a few MB) ship in the package (`data/smol_vlm_vision.safetensors`), so a build only

@@ -1,4 +1,4 @@
-"""Memory diagnostics for bench/soak.py and bench/onednn_growth.py, never in a production engine.
+"""Memory diagnostics for bench/soak.py and bench/tail_latency.py, never in a production engine.
 
 Installed only on request: set `VLLM_REALTIME_DIAGNOSTICS=1` in the environment before the
 engine starts (the plugin then adds the utility to EngineCore and the workers in every process);

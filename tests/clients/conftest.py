@@ -5,8 +5,6 @@ The server runs on the shared `vlm_engine` (tests/conftest.py): no extra engine 
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,6 +22,7 @@ if str(SDK_DIR) not in sys.path:
     sys.path.append(str(SDK_DIR))
 
 from tests.realtime.conftest import RunningServer, _serve  # noqa: E402
+from tests.tools import need, need_tool  # noqa: E402, F401  (re-exported to the client tests)
 
 CLIENT_KEY = "client-test-key"
 
@@ -35,20 +34,3 @@ async def client_server(vlm_engine: object) -> AsyncIterator[RunningServer]:
         vlm_engine, CLIENT_KEY, max_sessions=4, idle_timeout_s=30.0, max_frame_bytes=1 << 20
     ):
         yield s
-
-
-def need(ok: bool, what: str) -> None:
-    """Skip when a tool is missing, saying how to get it; in CI (.ci/run installs them) fail."""
-    if ok:
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"{what} (CI installs it in .ci/run)")
-    pytest.skip(what)
-
-
-def need_tool(name: str, install: str) -> str:
-    """The path of an executable, or skip (fail in CI) saying how to install it."""
-    path = shutil.which(name)
-    need(path is not None, f"{name} is not installed: {install}")
-    assert path is not None
-    return path

@@ -1,7 +1,7 @@
 """Adversarial inputs and the oracle they are judged by; pure (no sockets, no engine).
 
 Shared by the hypothesis tests (`test_fuzz.py`, a few hundred cases in CI), the socket fuzz
-against the real server, and `bench/fuzz_long.py` (≥100,000 cases). Every generator takes a
+against the real server, and `tests/reliability/fuzz_long.py` (≥100,000 cases). Every generator takes a
 `random.Random`, so a failing case is reproduced from its seed.
 
 The oracle: whatever a client sends, the server side answers with a documented protocol error

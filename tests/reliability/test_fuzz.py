@@ -2,7 +2,7 @@
 
 The oracle is `fuzzcore.check_error`: a class of `protocol.ERROR_CLASSES`, never
 `internal_error`/`engine_error`, a bounded message that does not echo large input, and an
-`error` event that round-trips. `bench/fuzz_long.py` runs the same generators ≥100,000 times.
+`error` event that round-trips. `tests/reliability/fuzz_long.py` runs the same generators ≥100,000 times.
 """
 
 from __future__ import annotations

@@ -232,11 +232,20 @@ async def test_plain_streaming_requests_take_no_retention_path(smollm2_engine: A
             )
 
     params = SamplingParams(max_tokens=1)
+    boundaries, finished = 0, False
     async for out in smollm2_engine.generate(chunks(), params, request_id=rid):
         assert await retention_state(smollm2_engine, rid) is None
-        report = SessionReport.from_wire(out.kv_transfer_params)
+        if out.finished:  # the last chunk ends the request: no session left to report
+            finished = True
+            continue
         # A boundary of a plain session reports its blocks, and no retention counters.
-        assert report is None or report.retention is None
+        report = SessionReport.from_wire(out.kv_transfer_params)
+        assert report is not None
+        assert report.retention is None
+        assert report.kv_blocks_held >= 1
+        boundaries += 1
+    # Two chunks: one boundary mid-session, then the end. A loop that saw neither checked nothing.
+    assert (boundaries, finished) == (1, True)
 
 
 async def test_endurance_2000_chunks_bounded_blocks_and_no_leak(

@@ -7,11 +7,11 @@ shapes' colour, their kind and their number (" red" + " circle" + " two"); a bac
 also carries its background's colour word (" green"). The tower (a Qwen2-VL encoder: 2-D rotary
 attention, so it sees the whole frame) and its merger are fitted to these targets with a mean
 squared error. The language model then reads a frame as a few superposed words, which it
-answers about (measured: `bench/vlm_accuracy.py`).
+answers about (measured: `training/vlm_accuracy.py`).
 
 Usage (writes the packaged weights; the language model must be built first):
 
-    python -m realtime.models.vision_train --out realtime/models/data/smol_vlm_vision.safetensors
+    python -m training.vision_train --out realtime/models/data/smol_vlm_vision.safetensors
 
 Deterministic for a given thread count (seeded data and initialisation); the shipped file is what
 `models build` uses, so builds never depend on this run.
@@ -20,19 +20,20 @@ Deterministic for a given thread count (seeded data and initialisation); the shi
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import random
 import time
 from pathlib import Path
 from typing import Any
 
-from realtime.models.smol_vlm import MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE
-from realtime.models.synth_frames import (
+from realtime.models.smol_vlm import MERGE_SIZE, PATCH_SIZE
+from training.synth_frames import (
     COUNT_WORDS,
     NEUTRAL_BACKGROUNDS,
     FrameSpec,
     draw_frame,
+    jpeg,
+    processor,
     random_spec,
 )
 
@@ -42,7 +43,7 @@ OBJECT_COVERAGE = 0.3  # a merged patch at least this much covered by shapes is 
 # background), "objcol" (object patches " <colour>", the others " <shape(s)>"), or "mixed"
 # ("objcol" on white/black, which SmolLM2 reads best; on a coloured background the other patches
 # carry " <background>" + " <shape(s)>", so that a green scene such as Chromium's fake camera can
-# still read as green). Read with exact targets (bench/vlm_reading.py, docs/vlm.md).
+# still read as green). Read with exact targets (the one-off bench/vlm_reading.py, docs/vlm.md "Third round").
 LAYOUTS = ("sum", "objcol", "mixed")
 
 
@@ -78,7 +79,7 @@ class Targets:
         held-out decoding pick among these."""
         import torch
 
-        from realtime.models.synth_frames import COLOURS, SHAPES
+        from training.synth_frames import COLOURS, SHAPES
 
         names: list[tuple[str, ...]] = [(c,) for c in COLOURS]
         names += [(s,) for s in SHAPES] + [(s + "s",) for s in SHAPES]
@@ -97,7 +98,7 @@ class Targets:
         import torch
 
         if self.codes is not None:
-            from realtime.models.vision_codes import slot_targets
+            from training.vision_codes import slot_targets
 
             return slot_targets(self.codes, spec, len(coverage), self.codes_layout)
 
@@ -121,13 +122,6 @@ class Targets:
         return torch.stack([fact if c >= self.object_coverage else bg for c in coverage.tolist()])
 
 
-def processor() -> Any:
-    from transformers import Qwen2VLImageProcessor
-
-    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
-    return Qwen2VLImageProcessor(size=size, patch_size=PATCH_SIZE, merge_size=MERGE_SIZE)
-
-
 def coverage(mask: Any, grid_h: int, grid_w: int) -> Any:
     """Fraction of each merged patch covered by shapes, in the processor's token order."""
     import numpy as np
@@ -136,15 +130,6 @@ def coverage(mask: Any, grid_h: int, grid_w: int) -> Any:
     h, w = grid_h * PATCH_SIZE, grid_w * PATCH_SIZE
     m = np.asarray(mask.resize((w, h), Image.BILINEAR), dtype=np.float32) / 255.0
     return m.reshape(h // CELL, CELL, w // CELL, CELL).mean(axis=(1, 3)).reshape(-1)
-
-
-def jpeg(img: Any, rng: random.Random) -> Any:
-    """What the server decodes: frames arrive as JPEG."""
-    from PIL import Image
-
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=rng.randint(60, 95))
-    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
 
 
 def make_dataset(
@@ -456,7 +441,7 @@ def train_codes(
     from safetensors.torch import load_file, save_file
 
     from realtime.models.smol_vlm import vision_model
-    from realtime.models.vision_codes import codes_layout
+    from training.vision_codes import codes_layout
 
     torch.manual_seed(seed)
     codes = load_file(str(codes_path))
@@ -496,7 +481,7 @@ def nearest_code_accuracy(
     averaged and decoded to that attribute's nearest code. Per-attribute accuracy."""
     import torch
 
-    from realtime.models.vision_codes import ATTRIBUTES, PARTS, all_specs, fact, frame_vectors
+    from training.vision_codes import ATTRIBUTES, PARTS, all_specs, fact, frame_vectors
 
     specs = all_specs()
     table = frame_vectors(codes, specs).to(device)
@@ -528,7 +513,7 @@ def nearest_target_accuracy(model: Any, data: list[Any], targets: Targets) -> di
 
     import torch
 
-    from realtime.models.synth_frames import COLOURS, SHAPES
+    from training.synth_frames import COLOURS, SHAPES
 
     names, table = targets.candidates()
     groups: dict[str, Counter[str]] = {"neutral": Counter(), "coloured": Counter()}

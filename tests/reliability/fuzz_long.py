@@ -1,8 +1,8 @@
 """Long fuzz: ≥100,000 adversarial cases through the codec, the state machine and the media
 decoders, judged by the oracle of tests/reliability/fuzzcore.py (documented errors only).
 
-    .venv/bin/python -m bench.fuzz_long                 # 100,000 cases, seed "fuzz-long"
-    .venv/bin/python -m bench.fuzz_long --cases 1000000 --seed nightly --json out.json
+    .venv/bin/python -m tests.reliability.fuzz_long                 # 100,000 cases, seed "fuzz-long"
+    .venv/bin/python -m tests.reliability.fuzz_long --cases 1000000 --seed nightly --json out.json
 
 Each case has its own seed (`<seed>-<kind>-<n>`), so a failure is replayed with
 `--replay <case seed>`. Bounded: a case count and a wall-clock budget (`--max-seconds`).

@@ -10,6 +10,7 @@ pac-man, a timer and grey corner squares.
 
 from __future__ import annotations
 
+import io
 import math
 import random
 from dataclasses import dataclass
@@ -123,3 +124,24 @@ def pacman_frame(size: tuple[int, int] = (640, 480), t: float = 1.3) -> Any:
     stamp = f"0:00:{int(t):02d}:{int(t * 1000) % 1000:03d} {int(t * 30)}"
     d.text((90, 60), stamp, fill=(0, 255, 0))
     return img
+
+
+# Frames as the server receives them: through JPEG, then the model's processor. Both the code
+# tuning (vision_codes) and the tower training (vision_train) read frames this way.
+def jpeg(img: Any, rng: random.Random) -> Any:
+    """What the server decodes: frames arrive as JPEG."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=rng.randint(60, 95))
+    return Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+
+
+def processor() -> Any:
+    """The image processor of `smol-qwen2-vl`, as the server builds it."""
+    from transformers import Qwen2VLImageProcessor
+
+    from realtime.models.smol_vlm import MAX_PIXELS, MERGE_SIZE, MIN_PIXELS, PATCH_SIZE
+
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    return Qwen2VLImageProcessor(size=size, patch_size=PATCH_SIZE, merge_size=MERGE_SIZE)

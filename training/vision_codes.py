@@ -19,9 +19,9 @@ by a minimal Qwen2-VL text model (Llama + mRoPE), checked against transformers b
 `tests/test_smol_vlm.py`. Token ids are prepared by `prepare` (with the model's tokenizer) so the
 tuning needs no tokenizer.
 
-    python -m realtime.models.vision_codes prepare --out artifacts/codes_data.json
-    python -m realtime.models.vision_codes pack --out artifacts   # lm_a/lm_b.npz, lm_meta.json
-    python -m realtime.models.vision_codes tune --data artifacts --out codes.safetensors
+    python -m training.vision_codes prepare --out artifacts/codes_data.json
+    python -m training.vision_codes pack --out artifacts   # lm_a/lm_b.npz, lm_meta.json
+    python -m training.vision_codes tune --data artifacts --out codes.safetensors
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from realtime.models.synth_frames import BACKGROUNDS, COLOURS, COUNT_WORDS, SHAPES, FrameSpec
+from training.synth_frames import BACKGROUNDS, COLOURS, COUNT_WORDS, SHAPES, FrameSpec
 
 ATTRIBUTES = {
     "colour": list(COLOURS),
@@ -45,7 +45,7 @@ ATTRIBUTES = {
 }
 INSTRUCTIONS = (
     None,
-    # bench/vlm_accuracy.py's instructions, and the webcam page's default.
+    # training/vlm_accuracy.py's instructions, and the webcam page's default.
     "You are a vision assistant. The picture is given as words. Reply with one short sentence "
     "naming the colour and the shape.",
     "You watch a camera. In one short sentence, say what you see.",
@@ -337,7 +337,7 @@ def positions(ids: list[int], grid: tuple[int, int]) -> list[list[int]]:
 
 
 def random_spec(rng: random.Random) -> FrameSpec:
-    from realtime.models.synth_frames import random_spec as frame_spec
+    from training.synth_frames import random_spec as frame_spec
 
     s = frame_spec(rng)
     return FrameSpec(s.colour, s.shape, s.count, s.background)
@@ -871,8 +871,7 @@ def tower_vectors(tower: Any, chats: list[Chat], rng: random.Random, device: str
     frames leave their last 4 rows unused)."""
     import torch
 
-    from realtime.models.synth_frames import draw_frame
-    from realtime.models.vision_train import jpeg, processor
+    from training.synth_frames import draw_frame, jpeg, processor
 
     proc = processor()
     rows = []

@@ -6,7 +6,7 @@ session instructions as system turn, the image, the question). A reply is right 
 fact: the shapes' colour, their kind ("circle"/"circles"), their number ("two" or "2"). Also asks
 Chromium's fake-camera frame to be described.
 
-    python -m bench.vlm_accuracy --frames 500 --out docs/bench/vlm_accuracy.json
+    python -m training.vlm_accuracy --frames 500 --out docs/bench/vlm_accuracy.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from realtime.models.synth_frames import COUNT_WORDS, FrameSpec, draw_frame, random_spec
+from training.synth_frames import COUNT_WORDS, FrameSpec, draw_frame, random_spec
 
 MODEL = "smol-qwen2-vl"
 # The LM reads a frame as superposed word embeddings; telling it so helps (measured on 100
@@ -51,7 +51,7 @@ def named(kind: str, spec: FrameSpec, reply: str) -> bool:
 def named_only(kind: str, spec: FrameSpec, reply: str) -> bool:
     """Strict: the reply names the fact and no other value of it ("a square is a circle" names
     two shapes; `named` counts it, this does not)."""
-    from realtime.models.synth_frames import COLOURS, SHAPES
+    from training.synth_frames import COLOURS, SHAPES
 
     if not named(kind, spec, reply):
         return False
@@ -107,7 +107,7 @@ async def ask(engine: Any, prompt: dict[str, Any], max_tokens: int = 24) -> str:
 async def run(
     engine: Any, n: int, concurrency: int = 16, instructions: str = INSTRUCTIONS
 ) -> dict[str, Any]:
-    from realtime.models.synth_frames import pacman_frame
+    from training.synth_frames import pacman_frame
 
     rng = random.Random(EVAL_SEED)
     items = []
@@ -132,11 +132,8 @@ async def run(
         acc[kind] = sum(named(kind, s, r) for s, r in rows) / len(rows)
         acc[kind + "_only"] = sum(named_only(kind, s, r) for s, r in rows) / len(rows)
         by_bg = {}
-        for group, pick in (
-            ("neutral_background", lambda s: s.background in ("white", "black")),
-            ("coloured_background", lambda s: s.background not in ("white", "black")),
-        ):
-            sel = [(s, r) for s, r in rows if pick(s)]
+        for group, neutral in (("neutral_background", True), ("coloured_background", False)):
+            sel = [(s, r) for s, r in rows if (s.background in ("white", "black")) == neutral]
             by_bg[group] = {
                 "n": len(sel),
                 "accuracy": sum(named(kind, s, r) for s, r in sel) / max(1, len(sel)),
