@@ -110,17 +110,31 @@ def retention_on(settings: EngineSettings) -> bool:
     return "scheduler_cls" not in settings.extra
 
 
-def select_model_runner(env: MutableMapping[str, str]) -> str:
-    """Make vLLM 0.32 take its V1 model runner, which the retention hooks patch (positions.py,
-    mrope.py), and return the start-up log line. On CUDA, vLLM would otherwise take the V2 runner
-    (Triton is always there) and every bounded session would be refused. An operator's explicit
-    V2 is refused here, at start, rather than at every session."""
+def has_v1_model_runner() -> bool:
+    """Whether the installed vLLM still has the V1 model runner the hooks patch (0.34 removed
+    it). Found without importing it: importing the runner would pull in the model stack."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+
+
+def select_model_runner(env: MutableMapping[str, str], v1_present: bool = True) -> str:
+    """Make vLLM take its V1 model runner, which the retention hooks patch (positions.py,
+    mrope.py), and return the start-up log line. On CUDA, vLLM 0.32 would otherwise take the V2
+    runner (Triton is always there) and every bounded session would be refused. An operator's
+    explicit V2, or a vLLM without V1, is refused here, at start, rather than at every session."""
     value = env.get(V2_RUNNER_SWITCH, "").strip().lower()
     if value in ("1", "true"):
         raise EngineConfigError(
             f"{V2_RUNNER_SWITCH}={env[V2_RUNNER_SWITCH]} selects vLLM's V2 model runner, which "
             'bounded sessions do not support (docs/architecture.md, "The V2 model runner"); '
             f"unset it or set {V2_RUNNER_SWITCH}=0"
+        )
+    if not v1_present:
+        raise EngineConfigError(
+            "this vLLM has no V1 model runner (vllm/v1/worker/gpu_model_runner.py, removed in "
+            "0.34), and bounded sessions need its hooks; the V2 runner is not supported yet "
+            '(docs/architecture.md, "The V2 model runner")'
         )
     env[V2_RUNNER_SWITCH] = "0"
     return (
@@ -284,7 +298,7 @@ def start_engine(settings: EngineSettings, platform: EnginePlatform | None = Non
     if retention_on(settings):
         # Before anything reads it: vLLM reads the switch lazily, here and in the engine's
         # processes (spawned, so they inherit this environment).
-        log.info("%s", select_model_runner(os.environ))
+        log.info("%s", select_model_runner(os.environ, has_v1_model_runner()))
     from retention.vllm_adapter import check_vllm_version
 
     check_vllm_version()

@@ -23,6 +23,7 @@ from realtime.engine import (
     EngineSettings,
     build_engine_args,
     default_cpu_kv_bytes,
+    has_v1_model_runner,
     retention_on,
     select_model_runner,
 )
@@ -143,5 +144,12 @@ def test_serve_selects_the_v1_runner_that_vllm_would_not_pick_on_cuda(
     for value in ("1", "true"):
         with pytest.raises(EngineConfigError, match=r"set VLLM_USE_V2_MODEL_RUNNER=0"):
             select_model_runner({V2_RUNNER_SWITCH: value})
+    # A vLLM without the V1 runner (0.34) is refused at start too, and the switch left alone
+    # (0.34 raises on VLLM_USE_V2_MODEL_RUNNER=0).
+    env = {}
+    with pytest.raises(EngineConfigError, match=r"no V1 model runner .* removed in 0\.34"):
+        select_model_runner(env, v1_present=False)
+    assert env == {}
+    assert has_v1_model_runner()  # vLLM 0.32 has it
     assert retention_on(EngineSettings(model="m"))
     assert not retention_on(EngineSettings(model="m", extra={"scheduler_cls": "my.Scheduler"}))
