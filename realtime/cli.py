@@ -117,6 +117,7 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from realtime.engine import CPU_DEFAULT_MAX_MODEL_LEN, CPU_KV_SHARE
     from realtime.models import DEFAULT_SERVE_MODEL
 
     parser = argparse.ArgumentParser(prog="vllm-realtime", description=__doc__)
@@ -133,8 +134,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="require this key (Bearer header or WS subprotocol); repeat to accept several",
     )
-    serve.add_argument("--max-model-len", type=int, default=2048)
-    serve.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
+    serve.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        help="cap on the context, tokens (default: the model's own on a GPU, "
+        f"{CPU_DEFAULT_MAX_MODEL_LEN} on CPU)",
+    )
+    serve.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_positive_int,
+        default=None,
+        help="KV pool size, bytes (default: on a GPU, vLLM's --gpu-memory-utilization share of "
+        f"its memory; on CPU, {CPU_KV_SHARE * 100:.0f}%% of the memory available to the worker's "
+        "NUMA node)",
+    )
     serve.add_argument("--max-num-seqs", type=int, default=32)
     serve.add_argument("--max-sessions", type=int, default=32)
     serve.add_argument("--idle-timeout", type=float, default=300.0, help="seconds without a frame")

@@ -6,7 +6,9 @@ start with a clear message instead of at the first session.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -16,12 +18,38 @@ from retention.vllm_adapter.shm_prefault import PREFAULT_BYTES_PER_CHUNK
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+log = logging.getLogger(__name__)
+
 
 CPU_DEFAULT_BLOCK_SIZE = 32
 """KV block size on the CPU build when none is given (vLLM's own CPU default is 128). Eviction
 frees whole blocks, so a window is honoured to within one block: 32 tokens, the smallest the CPU
 attention backend takes, keeps a video window of 36-token frames within a frame of its size
 (measured in docs/benchmarks.md, "Tail latency")."""
+
+
+CPU_DEFAULT_MAX_MODEL_LEN = 2048
+"""Context on the CPU build when --max-model-len is not given (a GPU takes the model's own): a
+prefill over a whole 8k-token context takes seconds on a few cores, and admission reserves a
+session whose worst case does not fit as a whole context, so a longer default would reserve
+four times the KV for such sessions."""
+
+CPU_KV_SHARE = 0.25
+"""The CPU KV pool's default size: this share of the memory vLLM reads as available to the
+worker's memory node (its `get_memory_node_info`: /sys NUMA meminfo, clamped to a cgroup limit)
+when the server starts. vLLM refuses an explicit pool larger than what is still available once
+the model is loaded (`CPUWorker.determine_available_memory`); a quarter leaves the other three
+quarters for the weights, the worker, the server and the rest of the machine. Without an explicit
+size vLLM's CPU worker instead asks for 90% of the node's total and refuses to start when that
+much is not free."""
+
+CPU_KV_MIN_BYTES = 32 << 20
+"""Below this the default pool holds too few blocks to be worth starting an engine for."""
+
+V2_RUNNER_SWITCH = "VLLM_USE_V2_MODEL_RUNNER"
+"""vLLM 0.32's choice of model runner (vllm/config/vllm.py `use_v2_model_runner`): unset, it
+takes the V2 runner wherever Triton is installed (always on CUDA); "0" forces V1. Read lazily
+from os.environ by the front end and by the EngineCore and worker processes, which inherit it."""
 
 
 class EngineConfigError(RuntimeError):
@@ -35,6 +63,84 @@ def _has_cuda() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
+
+
+def _cpu_node_available_bytes() -> int:
+    """Memory available to the CPU worker's memory node, read as vLLM's CPU worker reads it."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info
+
+    cpus = get_allowed_cpu_list()
+    return int(get_memory_node_info(cpus[0].numa_node if cpus else 0).available_memory)
+
+
+@dataclass(frozen=True)
+class EnginePlatform:
+    """What serve's engine arguments depend on about the machine: detected at start, given by
+    tests (so the CUDA arguments are tested on a machine without a GPU)."""
+
+    cuda: bool
+    # Bytes available to the CPU worker's memory node (None on a GPU: vLLM sizes KV there).
+    available_memory: int | None = None
+
+    @classmethod
+    def detect(cls) -> EnginePlatform:
+        if _has_cuda():
+            return cls(cuda=True)
+        return cls(cuda=False, available_memory=_cpu_node_available_bytes())
+
+
+def default_cpu_kv_bytes(available_memory: int) -> int:
+    """The CPU KV pool when --kv-cache-memory-bytes is not given: CPU_KV_SHARE of the memory
+    available to the worker's node, in whole MiB. Refused, with what to do, when that is below
+    CPU_KV_MIN_BYTES (vLLM would refuse later, or serve a pool too small to admit a session)."""
+    share = int(available_memory * CPU_KV_SHARE) >> 20 << 20
+    if share < CPU_KV_MIN_BYTES:
+        raise EngineConfigError(
+            f"{available_memory / (1 << 30):.2f} GiB of memory is available to the CPU worker; "
+            f"the default KV pool ({CPU_KV_SHARE:.0%} of it) would be {share >> 20} MiB, below "
+            f"the {CPU_KV_MIN_BYTES >> 20} MiB minimum. Free memory, or give "
+            "--kv-cache-memory-bytes explicitly (vLLM refuses a pool larger than what is "
+            "available once the model is loaded)."
+        )
+    return share
+
+
+def retention_on(settings: EngineSettings) -> bool:
+    """Bounded sessions need our scheduler; an operator's own --scheduler-cls turns them off."""
+    return "scheduler_cls" not in settings.extra
+
+
+def has_v1_model_runner() -> bool:
+    """Whether the installed vLLM still has the V1 model runner the hooks patch (0.34 removed
+    it). Found without importing it: importing the runner would pull in the model stack."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
+
+
+def select_model_runner(env: MutableMapping[str, str], v1_present: bool = True) -> str:
+    """Make vLLM take its V1 model runner, which the retention hooks patch (positions.py,
+    mrope.py), and return the start-up log line. On CUDA, vLLM 0.32 would otherwise take the V2
+    runner (Triton is always there) and every bounded session would be refused. An operator's
+    explicit V2, or a vLLM without V1, is refused here, at start, rather than at every session."""
+    value = env.get(V2_RUNNER_SWITCH, "").strip().lower()
+    if value in ("1", "true"):
+        raise EngineConfigError(
+            f"{V2_RUNNER_SWITCH}={env[V2_RUNNER_SWITCH]} selects vLLM's V2 model runner, which "
+            'bounded sessions do not support (docs/architecture.md, "The V2 model runner"); '
+            f"unset it or set {V2_RUNNER_SWITCH}=0"
+        )
+    if not v1_present:
+        raise EngineConfigError(
+            "this vLLM has no V1 model runner (vllm/v1/worker/gpu_model_runner.py, removed in "
+            "0.34), and bounded sessions need its hooks; the V2 runner is not supported yet "
+            '(docs/architecture.md, "The V2 model runner")'
+        )
+    env[V2_RUNNER_SWITCH] = "0"
+    return (
+        f"model runner: V1 ({V2_RUNNER_SWITCH}=0, set by serve: bounded sessions patch the V1 "
+        "runner; the V2 runner is refused)"
+    )
 
 
 def prepare_process_env() -> None:
@@ -70,27 +176,36 @@ def cpu_worker_threads() -> int:
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What the server passes to vLLM; one frozen object instead of many keywords."""
+    """What the server passes to vLLM; one frozen object instead of many keywords. A None means
+    "decided for the platform" (build_engine_args)."""
 
     model: str
-    max_model_len: int = 2048
-    # The CPU worker sizes KV from the NUMA node and refuses to start on small machines unless a
-    # size is given; a few MiB per session is plenty for the embedded models.
-    kv_cache_memory_bytes: int | None = 256 << 20
+    # Cap on the context, tokens. None: the model's own (vLLM derives it from
+    # max_position_embeddings) on a GPU, CPU_DEFAULT_MAX_MODEL_LEN on CPU.
+    max_model_len: int | None = None
+    # None: on a GPU vLLM sizes the pool by gpu_memory_utilization (--gpu-memory-utilization);
+    # on CPU, CPU_KV_SHARE of the memory available (vLLM's CPU worker refuses to start on small
+    # machines unless a size is given).
+    kv_cache_memory_bytes: int | None = None
     block_size: int | None = None
     max_num_seqs: int = 32
     dtype: str = "auto"
     seed: int = 0
-    enforce_eager: bool = True
+    # None: eager on CPU (the CPU build captures no graphs), CUDA graphs on a GPU.
+    enforce_eager: bool | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def with_overrides(self, **kwargs: Any) -> EngineSettings:
         return replace(self, **kwargs)
 
 
-def build_engine_args(settings: EngineSettings) -> Any:
+def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None = None) -> Any:
+    """vLLM's AsyncEngineArgs for `settings` on `platform` (detected when None). Logs what it
+    decided for the platform: the model runner is chosen separately (select_model_runner)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    if platform is None:
+        platform = EnginePlatform.detect()
     extra = dict(settings.extra)
     # Guards: fail fast on what the session layer cannot serve.
     if int(extra.get("pipeline_parallel_size", 1) or 1) != 1:
@@ -110,17 +225,22 @@ def build_engine_args(settings: EngineSettings) -> Any:
             "the multimodal processor cache must stay off: an identical later frame would hit a "
             "data-less cache entry whose KV was evicted"
         )
-    if not _has_cuda() and settings.block_size is not None and settings.block_size % 32:
+    if not platform.cuda and settings.block_size is not None and settings.block_size % 32:
         raise EngineConfigError(
             "the CPU attention backend needs a block size that is a multiple of 32"
         )
+    max_model_len = settings.max_model_len
+    if max_model_len is None and not platform.cuda:
+        max_model_len = CPU_DEFAULT_MAX_MODEL_LEN
+    enforce_eager = settings.enforce_eager
+    if enforce_eager is None:
+        enforce_eager = not platform.cuda
     kwargs: dict[str, Any] = dict(
         model=resolve_model(settings.model),
-        max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         dtype=settings.dtype,
         seed=settings.seed,
-        enforce_eager=settings.enforce_eager,
+        enforce_eager=enforce_eager,
         mm_processor_cache_gb=0,
         async_scheduling=False,
         disable_log_stats=True,
@@ -131,26 +251,60 @@ def build_engine_args(settings: EngineSettings) -> Any:
         # padded every reply with newlines until max_tokens.
         structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
     )
-    if settings.kv_cache_memory_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    context = f"{max_model_len} tokens" if max_model_len is not None else "the model's own (vLLM's)"
+    kv_bytes = settings.kv_cache_memory_bytes
+    if kv_bytes is not None:
+        kv_note = f"{kv_bytes / (1 << 20):.0f} MiB (--kv-cache-memory-bytes)"
+    elif platform.cuda or "gpu_memory_utilization" in extra:
+        # vLLM's own sizing; on CPU an operator's --gpu-memory-utilization is a share of the
+        # node's total memory (vLLM's CPU semantics), kept as given.
+        kv_note = "sized by vLLM from --gpu-memory-utilization " + (
+            f"({extra['gpu_memory_utilization']})"
+            if "gpu_memory_utilization" in extra
+            else "(vLLM's default)"
+        )
+    else:
+        available = platform.available_memory
+        if available is None:
+            available = _cpu_node_available_bytes()
+        kv_bytes = default_cpu_kv_bytes(available)
+        kv_note = (
+            f"{kv_bytes / (1 << 20):.0f} MiB = {CPU_KV_SHARE:.0%} of the "
+            f"{available / (1 << 30):.2f} GiB available to the CPU worker "
+            "(--kv-cache-memory-bytes sets it)"
+        )
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
     if settings.block_size is not None:
         kwargs["block_size"] = settings.block_size
-    elif not _has_cuda():
+    elif not platform.cuda:
         kwargs["block_size"] = CPU_DEFAULT_BLOCK_SIZE
     kwargs.update(extra)
-    args = AsyncEngineArgs(**kwargs)
-    return args
+    log.info(
+        "engine on %s: context %s, KV pool %s, %s",
+        "CUDA" if platform.cuda else "CPU",
+        context,
+        kv_note,
+        "eager (no CUDA graphs)" if kwargs["enforce_eager"] else "CUDA graphs on",
+    )
+    return AsyncEngineArgs(**kwargs)
 
 
-def start_engine(settings: EngineSettings) -> AsyncLLM:
-    """Start AsyncLLM (EngineCore runs in its own process)."""
+def start_engine(settings: EngineSettings, platform: EnginePlatform | None = None) -> AsyncLLM:
+    """Start AsyncLLM (EngineCore runs in its own process); `platform` as in build_engine_args."""
     prepare_process_env()
+    if retention_on(settings):
+        # Before anything reads it: vLLM reads the switch lazily, here and in the engine's
+        # processes (spawned, so they inherit this environment).
+        log.info("%s", select_model_runner(os.environ, has_v1_model_runner()))
     from retention.vllm_adapter import check_vllm_version
 
     check_vllm_version()
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = build_engine_args(settings)
+    args = build_engine_args(settings, platform)
     if args.data_parallel_size and int(args.data_parallel_size) > 1:
         raise EngineConfigError(
             "data parallelism inside one server is not supported (see docs/scale-out)"

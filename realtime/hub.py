@@ -154,17 +154,26 @@ class SessionHub:
         self.metrics.kv_block_size.set(self.block_size)
         default = SessionConfig(modality="video" if self.multimodal else "text")
         fp = self.admission.admit(default, instructions_tokens=0).footprint
+        fit = self.usable_blocks // max(fp.blocks, 1)
+        self.metrics.default_sessions_fit.set(fit)
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens; a default %s session reserves %d blocks "
-            "(%s); about %d such sessions fit",
+            "(%s); about %d such sessions fit (vllm_realtime_default_sessions_fit)",
             self.usable_blocks,
             self.block_size,
             self.usable_blocks * self.block_size,
             default.modality,
             fp.blocks,
             fp.describe(),
-            self.usable_blocks // max(fp.blocks, 1),
+            fit,
         )
+        if fit == 0:
+            log.warning(
+                "the KV pool holds no default %s session: every such session.open gets "
+                "capacity_exceeded; give a larger --kv-cache-memory-bytes or a smaller "
+                "--max-model-len",
+                default.modality,
+            )
 
     def limits(self) -> Limits:
         return Limits(

@@ -38,6 +38,12 @@ class Metrics:
             "Tokens per KV block.",
             registry=self.registry,
         )
+        self.default_sessions_fit = Gauge(
+            "vllm_realtime_default_sessions_fit",
+            "Sessions opened with the defaults (a camera session on a video model, a text "
+            "session otherwise) whose admission reservations the KV pool holds at once.",
+            registry=self.registry,
+        )
         self.engine_errors = Counter(
             "vllm_realtime_engine_errors",
             "Engine failures seen by sessions.",

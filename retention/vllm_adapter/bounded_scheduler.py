@@ -52,7 +52,10 @@ class BoundedSessionScheduler(RetentionScheduler):
             self._unsupported = "pipeline parallelism"
         elif getattr(self, "use_v2_model_runner", False):
             # positions.py and mrope.py patch the V1 model runner (GPUModelRunner) only.
-            self._unsupported = "the V2 model runner (the position patches target V1)"
+            self._unsupported = (
+                "the V2 model runner (the position patches target V1); set "
+                "VLLM_USE_V2_MODEL_RUNNER=0 (vllm-realtime serve sets it itself)"
+            )
         elif _multimodal_pruning(self.vllm_config):
             self._unsupported = "multimodal pruning (EVS recomputes mRoPE positions at every step)"
         self._uses_mrope = bool(self.vllm_config.model_config.uses_mrope)

@@ -1,0 +1,155 @@
+"""The engine arguments `serve` builds, per platform (realtime.engine.build_engine_args).
+
+The platform decision is injected (EnginePlatform), so the CUDA arguments are checked on this
+CPU machine: arguments only, nothing runs on a GPU. The model-runner switch is checked against
+vLLM 0.32's own decision code (VllmConfig.use_v2_model_runner) with Triton reported present, as
+it is on every CUDA install.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from realtime.engine import (
+    CPU_DEFAULT_BLOCK_SIZE,
+    CPU_DEFAULT_MAX_MODEL_LEN,
+    CPU_KV_MIN_BYTES,
+    V2_RUNNER_SWITCH,
+    EngineConfigError,
+    EnginePlatform,
+    EngineSettings,
+    build_engine_args,
+    default_cpu_kv_bytes,
+    has_v1_model_runner,
+    retention_on,
+    select_model_runner,
+)
+
+GiB = 1 << 30
+MiB = 1 << 20
+CUDA = EnginePlatform(cuda=True)
+# The NUMA node's figure vLLM's CPU worker saw on the first machine this ran on (FACTS): without
+# an explicit KV size it asked for 90% of the node's total and refused to start.
+SMALL_CPU = EnginePlatform(cuda=False, available_memory=int(7.71 * GiB))
+
+
+def test_cuda_sizes_kv_by_memory_fraction_with_graphs_and_the_models_context() -> None:
+    settings = EngineSettings(model="tiny-qwen2-vl", extra={"gpu_memory_utilization": 0.8})
+    args = build_engine_args(settings, CUDA)
+    # No explicit pool: vLLM sizes it from gpu_memory_utilization, which reaches it as given.
+    assert args.kv_cache_memory_bytes is None
+    assert args.gpu_memory_utilization == 0.8
+    assert args.enforce_eager is False  # CUDA graphs on
+    # None: vLLM derives the context from the model (max_position_embeddings).
+    assert args.max_model_len is None
+    # vLLM's own block size on a GPU (the CPU build's multiple-of-32 rule does not apply).
+    assert args.block_size is None
+
+
+def test_cuda_keeps_an_explicit_pool_and_context_cap() -> None:
+    settings = EngineSettings(
+        model="tiny-qwen2-vl", max_model_len=32768, kv_cache_memory_bytes=40 * GiB, block_size=16
+    )
+    args = build_engine_args(settings, CUDA)
+    assert (args.max_model_len, args.kv_cache_memory_bytes, args.block_size) == (
+        32768,
+        40 * GiB,
+        16,
+    )
+    # An operator's --enforce-eager (a vLLM flag, passed through) still wins.
+    args = build_engine_args(
+        EngineSettings(model="tiny-qwen2-vl", extra={"enforce_eager": True}), CUDA
+    )
+    assert args.enforce_eager is True
+
+
+def test_cpu_defaults_eager_2048_tokens_block_32_and_a_share_of_memory() -> None:
+    args = build_engine_args(EngineSettings(model="tiny-qwen2-vl"), SMALL_CPU)
+    assert args.enforce_eager is True
+    assert args.max_model_len == CPU_DEFAULT_MAX_MODEL_LEN == 2048
+    assert args.block_size == CPU_DEFAULT_BLOCK_SIZE == 32
+    # 25% of 7.71 GiB, whole MiB: 0.25 * 7.71 * 1024 = 1973.76 -> 1973 MiB. vLLM refuses an
+    # explicit pool only above what is available once the model is loaded.
+    assert args.kv_cache_memory_bytes == 1973 * MiB
+
+
+def test_cpu_explicit_pool_and_operator_fraction_win_over_the_default() -> None:
+    args = build_engine_args(
+        EngineSettings(model="tiny-qwen2-vl", kv_cache_memory_bytes=48 * MiB), SMALL_CPU
+    )
+    assert args.kv_cache_memory_bytes == 48 * MiB
+    # On CPU vLLM reads --gpu-memory-utilization as a share of the node's memory: kept as vLLM's.
+    settings = EngineSettings(model="tiny-qwen2-vl", extra={"gpu_memory_utilization": 0.5})
+    args = build_engine_args(settings, SMALL_CPU)
+    assert args.kv_cache_memory_bytes is None and args.gpu_memory_utilization == 0.5
+
+
+def test_the_start_up_log_says_what_was_decided(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="realtime.engine"):
+        build_engine_args(EngineSettings(model="tiny-qwen2-vl"), SMALL_CPU)
+        build_engine_args(EngineSettings(model="tiny-qwen2-vl"), CUDA)
+    cpu, cuda = (r.getMessage() for r in caplog.records)
+    assert cpu == (
+        "engine on CPU: context 2048 tokens, KV pool 1973 MiB = 25% of the 7.71 GiB available "
+        "to the CPU worker (--kv-cache-memory-bytes sets it), eager (no CUDA graphs)"
+    )
+    assert cuda == (
+        "engine on CUDA: context the model's own (vLLM's), KV pool sized by vLLM from "
+        "--gpu-memory-utilization (vLLM's default), CUDA graphs on"
+    )
+
+
+def test_small_memory_gets_a_small_pool_and_too_little_a_clear_refusal() -> None:
+    # 512 MiB available (a small VM): a 128 MiB pool, which the tiny models start with.
+    assert default_cpu_kv_bytes(512 * MiB) == 128 * MiB
+    assert default_cpu_kv_bytes(4 * CPU_KV_MIN_BYTES) == CPU_KV_MIN_BYTES
+    with pytest.raises(
+        EngineConfigError,
+        match=r"0\.12 GiB .* 31 MiB, below the 32 MiB minimum.*--kv-cache-memory-bytes",
+    ):
+        default_cpu_kv_bytes(4 * CPU_KV_MIN_BYTES - 4 * MiB)
+
+
+def _vllm_picks_v2(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> bool:
+    """vLLM 0.32's own choice (VllmConfig.use_v2_model_runner) in a process with `env`, on a
+    machine with Triton (every CUDA install), for a model with no V2-unsupported feature."""
+    import vllm.config.vllm as vllm_config_module
+
+    monkeypatch.delenv(V2_RUNNER_SWITCH, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    config = SimpleNamespace(
+        attention_config=SimpleNamespace(hisparse_config=None),
+        watermark_config=None,
+        _get_v2_model_runner_unsupported_features=lambda: [],
+    )
+    return bool(vllm_config_module.VllmConfig.use_v2_model_runner.fget(config))  # type: ignore[attr-defined]
+
+
+def test_serve_selects_the_v1_runner_that_vllm_would_not_pick_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Unset, vLLM 0.32 picks V2 on CUDA: the runner the retention hooks do not patch.
+    assert _vllm_picks_v2(monkeypatch, {}) is True
+    env: dict[str, str] = {}
+    line = select_model_runner(env)
+    assert env == {V2_RUNNER_SWITCH: "0"}
+    assert line.startswith("model runner: V1 (VLLM_USE_V2_MODEL_RUNNER=0, set by serve")
+    assert _vllm_picks_v2(monkeypatch, env) is False
+    # An operator's explicit V2 is refused at start, naming the switch.
+    for value in ("1", "true"):
+        with pytest.raises(EngineConfigError, match=r"set VLLM_USE_V2_MODEL_RUNNER=0"):
+            select_model_runner({V2_RUNNER_SWITCH: value})
+    # A vLLM without the V1 runner (0.34) is refused at start too, and the switch left alone
+    # (0.34 raises on VLLM_USE_V2_MODEL_RUNNER=0).
+    env = {}
+    with pytest.raises(EngineConfigError, match=r"no V1 model runner .* removed in 0\.34"):
+        select_model_runner(env, v1_present=False)
+    assert env == {}
+    assert has_v1_model_runner()  # vLLM 0.32 has it
+    assert retention_on(EngineSettings(model="m"))
+    assert not retention_on(EngineSettings(model="m", extra={"scheduler_cls": "my.Scheduler"}))
