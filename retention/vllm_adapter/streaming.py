@@ -1,4 +1,4 @@
-"""Front-end hardening of vLLM 0.32's streaming input (AsyncLLM, OutputProcessor).
+"""Front-end hardening of vLLM's streaming input (AsyncLLM, OutputProcessor).
 
 A realtime session is ONE long-lived vLLM request fed chunk by chunk: the client's chunks are
 `StreamingInput`s from an async generator, `AsyncLLM._add_streaming_input_request` sends each as
@@ -69,6 +69,20 @@ collector it returns for ours in place, before its input task first runs, and (b
 wrapper of `AsyncLLM._add_request`, through which that loop sends every chunk and the
 end-of-stream request. A vLLM fix to the loop therefore stays in effect.
 
+Where vLLM already does the same (vLLM 0.33 took over parts of a, b, c and d), ours steps
+aside, as the capability record (capabilities.py) says:
+
+* (a) vLLM builds its own `StreamingInputOutputCollector`, which keeps boundaries too: ours is
+  still adopted in its place (`streaming_collector`), because it also delivers the outputs
+  pending before an error (vLLM's drops them), closes the client's stream at the end and is
+  what `abort` finds;
+* (b) `process_outputs` treats ABORT/ERROR as final and aborts the session in EngineCore
+  itself (`terminal_abort_error`): the wrapper is not installed;
+* (c, d) the input loop re-checks `has_request` before each later chunk and before
+  end-of-stream (`stream_liveness_check`): our re-check is skipped; the tags stay (vLLM has no
+  counterpart of `RetentionScheduler`'s late-chunk check), and so does `abort`'s wait for the
+  input stream.
+
 Everything is installed by `install_streaming_hardening()` from the plugin's `register()`, in
 every vLLM process (only the front end ever calls it); it is idempotent.
 """
@@ -88,6 +102,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.output_processor import RequestOutputCollector, RequestState
 
 from retention.policy import REQUEST_ARGS_KEY
+from retention.vllm_adapter.capabilities import vllm_capabilities
 
 if TYPE_CHECKING:
     from vllm.engine.protocol import StreamingInput
@@ -181,10 +196,18 @@ class StreamingOutputCollector(RequestOutputCollector):  # type: ignore[misc]
         bounded: bool,
     ) -> StreamingOutputCollector:
         """Turn the collector vLLM just built for a streaming session into this class, in
-        place: vLLM's input-stream task already holds that very object. Nothing was put yet."""
-        if type(collector) is not RequestOutputCollector or collector.output is not None:
+        place: vLLM's input-stream task already holds that very object. Nothing was put yet.
+        Its class is the capability record's `streaming_collector` (vLLM's own streaming
+        collector, where it has one: its extra state is empty and left unused)."""
+        expected = vllm_capabilities().streaming_collector
+        if (
+            type(collector) is not expected
+            or collector.output is not None
+            or getattr(collector, "_backlog", None)
+        ):
             raise TypeError(
-                f"cannot adopt {type(collector).__name__} (vLLM 0.32's fresh collector expected)"
+                f"cannot adopt {type(collector).__name__} (a fresh {expected.__name__} of "
+                "this vLLM's streaming input expected)"
             )
         collector.__class__ = cls
         adopted: StreamingOutputCollector = collector
@@ -267,7 +290,7 @@ AddRequestFn = Callable[..., Coroutine[Any, Any, None]]
 
 
 def _make_add_streaming_input_request(original: AddStreamingFn) -> AddStreamingFn:
-    """Wraps `AsyncLLM._add_streaming_input_request` (0.32) instead of copying it.
+    """Wraps `AsyncLLM._add_streaming_input_request` instead of copying it.
 
     vLLM's method builds a `RequestOutputCollector`, starts the input-stream task and returns
     the collector, with no await between starting the task and returning: the task has not
@@ -306,6 +329,7 @@ def _make_add_request(original: AddRequestFn) -> AddRequestFn:
     input loop and the end-of-stream is not sent. No await between this check and vLLM's
     registration. What is sent is tagged (`STREAM_ROLE_KEY`) so that `RetentionScheduler`
     drops what still reaches it for an id it no longer knows."""
+    upstream_check = vllm_capabilities().stream_liveness_check
 
     async def _add_request(
         self: AsyncLLM,
@@ -320,7 +344,8 @@ def _make_add_request(original: AddRequestFn) -> AddRequestFn:
             return
         chunk = bool(request.resumable)
         if queue.chunks_sent:
-            if not self.output_processor.has_request(request.request_id):
+            # vLLM's own loop makes this check where it can (capabilities.py): then never true.
+            if not upstream_check and not self.output_processor.has_request(request.request_id):
                 if chunk:
                     await queue.end_input()
                     raise _SessionOver(request.request_id)
@@ -474,7 +499,7 @@ def _make_apply_streaming_update(original: Callable[..., None]) -> Callable[...,
 
 
 def install_streaming_hardening() -> None:
-    """Idempotently patch AsyncLLM and OutputProcessor (vLLM 0.32) as described above."""
+    """Idempotently patch AsyncLLM and OutputProcessor as described above."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.output_processor import OutputProcessor
 
@@ -488,8 +513,9 @@ def install_streaming_hardening() -> None:
     AsyncLLM._add_request = _make_add_request(AsyncLLM._add_request)
     # (c) stop a session's input stream before aborting it.
     AsyncLLM.abort = _make_abort(AsyncLLM.abort)
-    # (b) engine-side ABORT/ERROR is terminal for a streaming session.
-    OutputProcessor.process_outputs = _make_process_outputs(OutputProcessor.process_outputs)
+    if not vllm_capabilities().terminal_abort_error:
+        # (b) engine-side ABORT/ERROR is terminal for a streaming session.
+        OutputProcessor.process_outputs = _make_process_outputs(OutputProcessor.process_outputs)
     # (e) bounded sessions keep only the current chunk's prompt in the front end.
     RequestState.apply_streaming_update = _make_apply_streaming_update(
         RequestState.apply_streaming_update

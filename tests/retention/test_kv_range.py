@@ -19,7 +19,6 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import (
-    KVCacheBlock,
     get_block_hash,
     get_request_block_hasher,
     init_none_hash,
@@ -33,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
+from retention.vllm_adapter.capabilities import skip_prefix_cache_reads
 from retention.vllm_adapter.kv_range import (
     PREFIX_CACHE_FROZEN,
     HybridKVConfigError,
@@ -40,6 +40,8 @@ from retention.vllm_adapter.kv_range import (
     KVRangeError,
     UnsupportedKVCacheManagerError,
     align_token_range,
+    cached_block_ids,
+    cached_index_entries,
     evict_token_range_for_request,
     free_blocks_of_request,
     free_token_range_in_all_groups,
@@ -125,13 +127,7 @@ def hit_ids(manager: KVCacheManager, tokens: list[int], block_size: int) -> list
 
 def reachable_block_ids(manager: KVCacheManager) -> set[int]:
     """Every block id the prefix-cache index can return."""
-    ids: set[int] = set()
-    for value in manager.block_pool.cached_block_hash_to_block._cache.values():
-        if isinstance(value, KVCacheBlock):
-            ids.add(value.block_id)
-        else:
-            ids.update(value)
-    return ids
+    return cached_block_ids(manager.block_pool)
 
 
 # --------------------------------------------------------------------------- hand-made cases
@@ -346,7 +342,7 @@ def test_resume_after_preemption_with_refreeze() -> None:
     sm = m.coordinator.single_type_managers[0]
     assert "a" not in sm.num_cached_block
     # Contract: no prefix reads, re-freeze before the first allocate_slots of the resume.
-    req.skip_reading_prefix_cache = True
+    skip_prefix_cache_reads(req)
     freeze_request_prefix_caching(m, "a")
     hit, num_hit, _ = m.get_computed_blocks(req)
     assert num_hit == 0
@@ -414,7 +410,7 @@ class Model:
     def prefill(self, sim: Sim) -> bool:
         req = sim.request
         if sim.evicted:  # the documented resume contract for a compacted request
-            req.skip_reading_prefix_cache = True
+            skip_prefix_cache_reads(req)
             freeze_request_prefix_caching(self.m, req.request_id)
         hit, num_hit, _ = self.m.get_computed_blocks(req)
         hit_list = hit.get_block_ids()[0]
@@ -536,9 +532,8 @@ class Model:
         for block_id in self.evicted_ids:
             assert self.pool.blocks[block_id].block_hash is None
             assert block_id not in self.pool.cached_block_hashes_by_block
-        for key, value in self.pool.cached_block_hash_to_block._cache.items():
+        for key, ids in cached_index_entries(self.pool):
             expected = self.hash_prefix[get_block_hash(key)]
-            ids = [value.block_id] if isinstance(value, KVCacheBlock) else list(value)
             for block_id in ids:
                 assert self.content.get(block_id) == expected
         # A new request with identical tokens gets only valid, non-evicted hits.
