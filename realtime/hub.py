@@ -131,6 +131,12 @@ class SessionHub:
         self._chat: ChatFormat | None = None  # set by start(), from the model's chat template
 
     async def start(self) -> None:
+        from retention.vllm_adapter.model_families import check_model_family
+
+        # A family the engine hooks are not proven on is refused here, by name, with the
+        # reason (retention/vllm_adapter/model_families.py), before anything is served.
+        family = check_model_family(self.engine.model_config)
+        log.info("model family: %s (%s positions)", family.family, family.positions)
         pool = await kv_pool(self.engine)
         if pool.kv_cache_groups != 1:
             raise RuntimeError(

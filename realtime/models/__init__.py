@@ -33,6 +33,18 @@ QWEN2_VL_CHATML = replace(
 )
 """ChatML with Qwen2-VL's placeholders: what `tiny_vlm.vision_chat_template` renders."""
 
+SMOLVLM_FORMAT = ChatFormat(
+    system_open="<|im_start|>System:",
+    system_close="<end_of_utterance>\n",
+    user_open="<|im_start|>User:",
+    user_close="<end_of_utterance>\n",
+    assistant_open="<|im_start|>Assistant:",
+    assistant_close="<end_of_utterance>\n",
+    image="<image>",
+)
+"""SmolVLM's turns, each opened with `<|im_start|>`: what `tiny_smolvlm.CHAT_TEMPLATE` renders
+(no video placeholder: vLLM serves SmolVLM with images only)."""
+
 
 @dataclass(frozen=True)
 class DefaultModel:
@@ -68,6 +80,12 @@ def _build_tiny_vlm(out: Path) -> None:
     from realtime.models.tiny_vlm import build_tiny_vlm
 
     build_tiny_vlm(out)
+
+
+def _build_tiny_smolvlm(out: Path) -> None:
+    from realtime.models.tiny_smolvlm import build_tiny_smolvlm
+
+    build_tiny_smolvlm(out)
 
 
 def _smol_vlm_inputs() -> str:
@@ -109,6 +127,14 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             _build_smol_vlm,
             QWEN2_VL_CHATML,
             _smol_vlm_inputs,
+        ),
+        DefaultModel(
+            "tiny-smolvlm",
+            "random-weight SmolVLM (Idefics3 vision + Llama, 1D RoPE), images split in up to "
+            "2x2 tiles of 4 tokens, no clips; output is noise: exercises 1D video paths",
+            "video",
+            _build_tiny_smolvlm,
+            SMOLVLM_FORMAT,
         ),
     )
 }

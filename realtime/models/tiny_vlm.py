@@ -64,7 +64,17 @@ _CORPUS = [
 ]
 
 
-def _build_tokenizer(out: Path) -> None:
+def build_bpe_tokenizer(
+    out: Path,
+    *,
+    special_tokens: list[str],
+    chat_template: str,
+    eos_token: str,
+    pad_token: str,
+) -> None:
+    """A byte-level BPE trained on the small corpus, padded with filler tokens so that every id
+    below VOCAB_SIZE decodes (random weights sample any id), then `special_tokens` (their ids are
+    the last ones); saved to `out` with `chat_template`. Shared by the tiny random VLMs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,27 +82,26 @@ def _build_tokenizer(out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS),
+        vocab_size=VOCAB_SIZE - len(special_tokens),
         special_tokens=[],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS * 20, trainer=trainer)
-    # Pad with filler tokens so that every id below VOCAB_SIZE decodes to something.
     filler = [
-        f"<|filler_{i}|>" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - tok.get_vocab_size())
+        f"<|filler_{i}|>" for i in range(VOCAB_SIZE - len(special_tokens) - tok.get_vocab_size())
     ]
     if filler:
         tok.add_tokens(filler)
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special_tokens)
     assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=eos_token,
+        pad_token=pad_token,
         unk_token=None,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out))
 
 
@@ -108,7 +117,13 @@ def build_tiny_vlm(out: Path) -> None:
     )
 
     out.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(out)
+    build_bpe_tokenizer(
+        out,
+        special_tokens=SPECIAL_TOKENS,
+        chat_template=CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     tok = AutoTokenizer.from_pretrained(str(out))
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text_config = {

@@ -25,6 +25,7 @@ from retention.records import RETENTION_UNSUPPORTED, RetentionCounters
 from retention.vllm_adapter import check_serving_support
 from retention.vllm_adapter.eviction import RetentionConfigError, SessionRetention
 from retention.vllm_adapter.kv_rotation import rotation_supported
+from retention.vllm_adapter.model_families import model_config_problem
 from retention.vllm_adapter.scheduler import RetentionScheduler
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,12 @@ class BoundedSessionScheduler(RetentionScheduler):
             check_serving_support()
         super().__init__(*args, **kwargs)
         groups = self.kv_cache_config.kv_cache_groups
-        self._unsupported: str | None = None
-        if len(groups) != 1:
+        # Sessions of a family no oracle test covers are refused, never run on a guess; the
+        # family's name and reason come first (a hybrid family also fails the groups check).
+        self._unsupported = model_config_problem(self.vllm_config.model_config)
+        if self._unsupported is not None:
+            pass
+        elif len(groups) != 1:
             self._unsupported = (
                 f"{len(groups)} KV-cache groups (hybrid model): one token range cannot be "
                 "freed across groups of different block sizes"

@@ -16,6 +16,11 @@ check it in `mrope.py`. Requests without the record (every request that did not 
 retention) add nothing. A consolidation by rotation (``kv_rotation.py``) is applied here too,
 at the fold that carries it, before the step runs. mRoPE models use their own position tensor
 (handled separately) and are left untouched here.
+
+1D VLMs (SmolVLM/Idefics3) need nothing more: an image's tokens advance the position by one each,
+like text, and its multimodal offset, encoder-input scheduling and encoder-cache entry live in
+cache coordinates, which eviction compacts (``eviction.py``) apart from positions
+(tests/retention/test_smolvlm_retention.py).
 """
 
 from __future__ import annotations
