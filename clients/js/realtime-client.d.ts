@@ -56,6 +56,19 @@ export interface ResumableConfig {
   grace_s: number;
 }
 
+/**
+ * What a session declares it sends; admission reserves KV and engine time for exactly that.
+ * Undeclared: single images (or text turns) at one chunk a second.
+ */
+export interface ChunkLimits {
+  /** Most tokens of one chunk's text, template included; null: the server's. */
+  max_chunk_tokens?: number | null;
+  /** Most frames of one clip (an image counts as one); 1: single images. Clips over it: chunk_too_large. */
+  max_clip_frames?: number;
+  /** Chunks per second this session sends at most (1: a camera's pace). */
+  frames_per_s?: number;
+}
+
 /** What `open()` sends (every field optional; the server fills defaults). */
 export interface SessionConfig {
   instructions?: string | null;
@@ -66,6 +79,8 @@ export interface SessionConfig {
   model?: string | null;
   /** Makes the session resilient (resumes after drops, moves on after drains). */
   resumable?: ResumableConfig | null;
+  /** What this session sends (clips, pace): admission reserves for it. */
+  limits?: ChunkLimits;
 }
 
 /** The effective settings echoed in session.opened: every field present. */
@@ -77,6 +92,7 @@ export interface EffectiveSessionConfig {
   frame_format: FrameFormat;
   model: string | null;
   resumable: ResumableConfig | null;
+  limits: Required<ChunkLimits>;
 }
 
 // ---------------------------------------------------------------- server events
