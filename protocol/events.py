@@ -268,10 +268,13 @@ class ResumableConfig(_Inbound):
 
 
 class ChunkLimits(_Inbound):
-    """Caps a session puts on its own chunks, at or below the server's (``limits``).
+    """What a session declares it sends: caps on its chunks (at or below the server's
+    ``limits``) and its pace.
 
-    Admission reserves KV for the largest chunk a session may send; lower caps give a smaller
-    reservation, so more sessions fit. A chunk over a cap is refused with ``chunk_too_large``."""
+    Admission reserves KV for the largest chunk a session may send and engine time for its
+    frames per second; lower caps and a slower pace reserve less, so more sessions fit. A chunk
+    over a cap is refused with ``chunk_too_large``. A session that declares nothing sends single
+    images (or text) at one chunk a second."""
 
     max_chunk_tokens: int | None = Field(
         default=None,
@@ -279,11 +282,19 @@ class ChunkLimits(_Inbound):
         description="Most tokens of one chunk's text (a text turn, or a frame's prompt, template "
         "included); null: the server's limits.max_chunk_tokens.",
     )
-    max_clip_frames: int | None = Field(
-        default=None,
+    max_clip_frames: int = Field(
+        default=1,
         ge=1,
-        description="Most frames of one video clip (an image counts as one); null: the "
-        "server's limits.max_clip_frames.",
+        description="Most frames of one video clip (an image counts as one), at most the "
+        "server's limits.max_clip_frames; 1: single images only.",
+    )
+    frames_per_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1000.0,
+        allow_inf_nan=False,
+        description="Chunks per second this session sends at most: admission reserves engine "
+        "time for this pace (1.0: a camera's pace).",
     )
 
 
@@ -485,7 +496,10 @@ class Limits(_Outbound):
         default=None, ge=1, description="Most tokens of session.open.instructions; null: no cap."
     )
     max_clip_frames: int | None = Field(
-        default=None, ge=1, description="Most frames of one video clip; null: no cap."
+        default=None,
+        ge=1,
+        description="Most frames of one video clip a session may declare "
+        "(session.open.limits.max_clip_frames; undeclared: single images); null: no clips.",
     )
     server_version: str = Field(description="Version of the vllm-realtime server.")
     model: str = Field(description="Name of the model this server serves.")

@@ -27,8 +27,12 @@ random budgets and chunk sizes.
 
 Every chunk has a bounded size for this to hold: text turns and the text part of a frame are
 capped by `max_chunk_tokens` (counted exactly, the server tokenizes them), a frame by the
-model's processor (max pixels → max tokens per image, and per clip of at most
-`max_clip_frames` frames), instructions by `max_instructions_tokens`.
+model's processor (max pixels → max tokens per image, and per clip of at most the session's
+declared `limits.max_clip_frames`: 1 unless it declares clips, since cameras send single
+images), instructions by `max_instructions_tokens`.
+
+Compute is admitted too (realtime/compute.py): the open sessions' declared paces times the
+measured cost of their chunks must stay under a headroom of the engine's time.
 
 Sessions without retention keep the old rule: max_model_len.
 
@@ -50,6 +54,7 @@ from protocol import (
     InvalidRequestError,
     SessionConfig,
 )
+from realtime.compute import ChunkKind, CostModel, SessionLoad, compute_problem
 from realtime.config import ServerConfig
 from realtime.media import MAX_CLIP_FRAMES
 from retention.policy import ConsolidationMode
@@ -286,6 +291,8 @@ class Admission:
     consolidation: ConsolidationMode | None = None
     """The server's consolidation mode, sent with every budget (None: the engine's default)."""
     strict_budgets: bool = False
+    compute_headroom: float | None = None
+    """Share of the engine's time the open sessions may ask for (None: compute not admitted)."""
 
     @classmethod
     def for_server(
@@ -315,6 +322,7 @@ class Admission:
             retention_max_position=server.retention_max_position,
             consolidation=server.consolidation,
             strict_budgets=server.strict_budgets,
+            compute_headroom=server.compute_headroom,
         )
 
     # -- session.open
@@ -376,11 +384,10 @@ class Admission:
                 )
 
     def chunk_caps(self, config: SessionConfig) -> tuple[int, int]:
-        """The session's caps: tokens of a chunk's text, frames of a clip (its own `limits`,
-        at or below the server's)."""
+        """The session's caps: tokens of a chunk's text (its own `limits`, else the server's),
+        frames of a clip (what it declared: 1, single images, unless it declared clips)."""
         text = config.limits.max_chunk_tokens or self.max_chunk_tokens
-        clip = config.limits.max_clip_frames or self.max_clip_frames
-        return text, clip
+        return text, config.limits.max_clip_frames
 
     def media_tokens(self, config: SessionConfig) -> int:
         """Most tokens one frame's image or clip of this session can add."""
@@ -469,8 +476,10 @@ class Admission:
             and media.clip_tokens(clip_frames) > media.chunk_tokens(clip_cap)
         ):
             raise ChunkTooLarge(
-                f"this clip has {clip_frames} frames; at most {clip_cap} "
-                "(limits.max_clip_frames). It was not run; send shorter clips"
+                f"this clip has {clip_frames} frames; this session declared at most {clip_cap} "
+                f"(session.open.limits.max_clip_frames; a session that declares none sends "
+                f"single images, up to the server's {self.max_clip_frames}). It was not run; "
+                "send shorter clips, or open a session that declares its clips"
             )
         if self.retention_args(config) is not None:
             # Bounded: the engine checks what the session holds after this fold's eviction
@@ -483,3 +492,35 @@ class Admission:
                 f"this chunk would take the session to about {need} tokens; the model's "
                 f"context is {self.max_model_len}"
             )
+
+    # -- compute
+
+    def session_load(self, config: SessionConfig, costs: CostModel) -> SessionLoad | None:
+        """What a session asks of the engine: its declared pace times the cost of one of its
+        chunks (a declared clip's prefill scaled by its tokens over an image's); None before
+        its kind of chunk was ever measured."""
+        kind: ChunkKind = "frame" if config.modality == "video" else "text"
+        cost = costs.cost(kind)
+        if cost is None:
+            return None
+        scale = 1.0
+        if kind == "frame" and self.media is not None:
+            scale = self.media.chunk_tokens(self.chunk_caps(config)[1]) / self.media.chunk_tokens(1)
+        chunk_ms = cost.chunk_ms(config.sampling.max_tokens, prefill_scale=scale)
+        return SessionLoad(frames_per_s=config.limits.frames_per_s, chunk_ms=chunk_ms)
+
+    def check_compute(
+        self, config: SessionConfig, open_configs: list[SessionConfig], costs: CostModel
+    ) -> None:
+        """Refuse a session whose frames the engine's time cannot take beside the open ones'."""
+        if self.compute_headroom is None:
+            return
+        new = self.session_load(config, costs)
+        if new is None:
+            return  # nothing measured yet (the server measures at start-up)
+        loads = [self.session_load(c, costs) for c in open_configs]
+        problem = compute_problem(
+            (load for load in loads if load is not None), new, self.compute_headroom
+        )
+        if problem is not None:
+            raise CapacityExceeded(problem)

@@ -111,12 +111,15 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         strict_budgets=args.strict_budgets,
         drain_timeout_s=args.drain_timeout,
         max_resume_grace_s=args.max_resume_grace,
+        compute_headroom=args.compute_headroom or None,
+        chunk_cost_ms=args.chunk_cost_ms,
     )
     run_server(config, settings)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    from realtime.compute import DEFAULT_HEADROOM
     from realtime.engine import CPU_DEFAULT_MAX_MODEL_LEN, CPU_KV_SHARE
     from realtime.models import DEFAULT_SERVE_MODEL
 
@@ -205,6 +208,19 @@ def main(argv: list[str] | None = None) -> int:
         type=_non_negative_float,
         default=60.0,
         help="cap on session.open.resumable.grace_s, seconds (0: no session is resumable)",
+    )
+    serve.add_argument(
+        "--compute-headroom",
+        type=_non_negative_float,
+        default=DEFAULT_HEADROOM,
+        help="share of the engine's time the open sessions' frames may take, by their declared "
+        "pace and the measured cost of a chunk (0: admit by KV and session counts only)",
+    )
+    serve.add_argument(
+        "--chunk-cost-ms",
+        type=_non_negative_float,
+        default=None,
+        help="the cost of a chunk's prefill, ms, instead of measuring it (replies then free)",
     )
     models = sub.add_parser("models", help="list or build the embedded default models")
     models.add_argument("action", choices=["list", "build"])

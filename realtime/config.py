@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from realtime.compute import DEFAULT_HEADROOM
 from retention.policy import CONSOLIDATION_MODES, ConsolidationMode
 
 
@@ -42,6 +43,12 @@ class ServerConfig:
     # Refuse (invalid_request) a client's retention budget whose worst case cannot fit, instead
     # of reserving it as a whole context (SessionHub.admit).
     strict_budgets: bool = False
+    # Admission by compute (realtime/compute.py): the share of the engine's time the open
+    # sessions' declared paces may ask for; None admits by KV and session counts only.
+    compute_headroom: float | None = DEFAULT_HEADROOM
+    # The cost of every chunk (its prefill, ms; replies free) instead of measuring it: for an
+    # operator who measured their own, and for tests (timings are not reproducible).
+    chunk_cost_ms: float | None = None
     # On SIGTERM/SIGINT: seconds the replies in flight get to finish before they are cancelled
     # (realtime/drain.py). Keep it under the supervisor's kill timeout (Kubernetes: 30 s).
     drain_timeout_s: float = 20.0
@@ -72,6 +79,10 @@ class ServerConfig:
             raise ValueError("max_chunk_tokens and max_instructions_tokens must be >= 1")
         if self.max_resume_grace_s < 0:
             raise ValueError(f"max_resume_grace_s must be >= 0, got {self.max_resume_grace_s}")
+        if self.compute_headroom is not None and self.compute_headroom <= 0:
+            raise ValueError(f"compute_headroom must be > 0, got {self.compute_headroom}")
+        if self.chunk_cost_ms is not None and self.chunk_cost_ms < 0:
+            raise ValueError(f"chunk_cost_ms must be >= 0, got {self.chunk_cost_ms}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 

@@ -7,6 +7,11 @@ and reply; an unbounded one the whole context) and is refused at open with `capa
 when the reservations would pass the engine's pool. Chunks are held to the sizes the footprint
 assumed: text is tokenized and capped (`limits.max_chunk_tokens`), frames are capped by the
 model's processor.
+
+Admission by compute (realtime/compute.py): every answered chunk that had the engine to itself
+is measured (prefill, per reply token), per kind; a session is admitted only while the open
+sessions' declared paces (`limits.frames_per_s`) times those costs fit a headroom of the
+engine's time. A few chunks of each kind are measured at start-up, before anyone is admitted.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,6 +34,7 @@ from protocol import (
     ResponseDoneEvent,
     ResponseStatus,
     ResponseTextDeltaEvent,
+    RetentionConfig,
     RetentionState,
     ServerCloseReason,
     SessionConfig,
@@ -40,6 +46,7 @@ from protocol import (
 )
 from realtime import __version__
 from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_or_default
+from realtime.compute import ChunkCost, ChunkKind, ChunkTiming, CostModel
 from realtime.config import ServerConfig
 from realtime.engine_session import (
     ChunkDelta,
@@ -56,6 +63,45 @@ from realtime.prompt_format import ChatFormat
 from realtime.structured import validate_format
 
 log = logging.getLogger("vllm_realtime")
+
+CALIBRATION_CHUNKS = 4
+"""Chunks of each kind measured at start-up (after one that warms the engine up)."""
+CALIBRATION_REPLY_TOKENS = 8
+
+
+def calibration_frame(kind: ChunkKind, index: int) -> Frame:
+    """A chunk like a camera's: a 224×224 JPEG of noise (its size, not its content, sets its
+    cost), or a short text turn."""
+    if kind == "text":
+        text = f"Turn {index}: describe what a kitchen camera sees, in one sentence."
+        return Frame(
+            frame_index=index,
+            frame_id=None,
+            kind="text",
+            media_format=None,
+            data=text.encode(),
+            text=text,
+            prompt=None,
+            timestamp=None,
+        )
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(index).integers(0, 255, (224, 224, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=80)
+    return Frame(
+        frame_index=index,
+        frame_id=None,
+        kind="image",
+        media_format="jpeg",
+        data=buf.getvalue(),
+        text=None,
+        prompt=None,
+        timestamp=None,
+    )
 
 
 @dataclass
@@ -129,6 +175,14 @@ class SessionHub:
         self.engine_slots = facts.engine_slots
         self._admission: Admission | None = None  # set by start(), with the KV pool
         self._chat: ChatFormat | None = None  # set by start(), from the model's chat template
+        pinned: dict[ChunkKind, ChunkCost] = {}
+        if config.chunk_cost_ms is not None:
+            pinned = {k: ChunkCost(config.chunk_cost_ms, 0.0) for k in ("frame", "text")}
+        self.costs = CostModel(pinned=pinned)
+        # Chunks in the engine now, and how many ever started: a chunk is measured only if no
+        # other one ran beside it (its time to first token is then its own, not a queue's).
+        self._in_flight = 0
+        self._turns_started = 0
 
     async def start(self) -> None:
         from retention.vllm_adapter.model_families import check_model_family
@@ -162,6 +216,7 @@ class SessionHub:
         fp = self.admission.admit(default, instructions_tokens=0).footprint
         fit = self.usable_blocks // max(fp.blocks, 1)
         self.metrics.default_sessions_fit.set(fit)
+        await self.measure_chunk_costs()
         log.info(
             "KV pool: %d blocks x %d tokens = %d tokens; a default %s session reserves %d blocks "
             "(%s); about %d such sessions fit (vllm_realtime_default_sessions_fit)",
@@ -260,6 +315,7 @@ class SessionHub:
         instructions_tokens = self._instructions_tokens(config)
         fp, bounded = self.admit(config, instructions_tokens=instructions_tokens)
         self.admission.check_pool(fp, self.reserved_total(), len(self.sessions))
+        self.admission.check_compute(config, self.open_configs(), self.costs)
         session = EngineSession(
             self.engine, protocol.session_id, config.sampling, self.admission.retention_args(config)
         )
@@ -277,6 +333,9 @@ class SessionHub:
         self.metrics.kv_blocks_reserved.set(self.reserved_total())
         log.info("session opened id=%s modality=%s", protocol.session_id[:12], config.modality)
         return record
+
+    def open_configs(self) -> list[SessionConfig]:
+        return [c for r in self.sessions.values() if (c := r.protocol.config) is not None]
 
     def find(
         self, session_id: str, owner: str | None, transport: Literal["websocket", "http"]
@@ -373,7 +432,7 @@ class SessionHub:
             )
             self.check_chunk(record, frame, prompt)
             queue_ms = (time.perf_counter() - started) * 1e3
-            async for item in es.run_chunk(prompt, params, reply=frame.reply):
+            async for item in self._measured(es, prompt, params, frame):
                 if isinstance(item, ChunkDelta):
                     text_parts.append(item.text)
                     if on_delta is not None and (cancelled is None or not cancelled.is_set()):
@@ -412,6 +471,84 @@ class SessionHub:
             retention=retention,
         )
         return TurnOutcome(done, error)
+
+    async def measure_chunk_costs(self) -> None:
+        """Measure what a chunk of each kind costs, on a session of the server's own, before
+        anyone is admitted: sessions that arrive together are admitted on these figures."""
+        if self.admission.compute_headroom is None or self.costs.pinned:
+            return
+        kinds: list[ChunkKind] = ["text"]
+        if self.multimodal and self.chat.image is not None:
+            kinds.append("frame")
+        for kind in kinds:
+            config = SessionConfig(
+                modality="video" if kind == "frame" else "text",
+                retention=RetentionConfig(enabled=False),
+            )
+            es = EngineSession(
+                self.engine, "calibrate_" + secrets.token_hex(8), config.sampling, None
+            )
+            try:
+                for i in range(CALIBRATION_CHUNKS + 1):
+                    frame = calibration_frame(kind, i)
+                    params = self.chunk_params(es, config, frame)
+                    # A fixed reply length: the inter-token step needs two tokens or more.
+                    params.max_tokens = params.min_tokens = CALIBRATION_REPLY_TOKENS
+                    prompt = await asyncio.to_thread(
+                        render_chunk,
+                        frame,
+                        config,
+                        chat=self.chat,
+                        first=es.chunks == 0,
+                        multimodal=self.multimodal,
+                        after_reply=es.turn_open,
+                    )
+                    # The first chunk warms the engine up and is not measured.
+                    async for _ in self._measured(es, prompt, params, frame, measure=i > 0):
+                        pass
+            finally:
+                await es.abort()
+            cost = self.costs.cost(kind)
+            log.info(
+                "compute: a %s chunk costs %s; admission fills %.0f%% of the engine's time",
+                kind,
+                "unmeasured"
+                if cost is None
+                else f"{cost.prefill_ms:.0f} ms prefill + {cost.per_token_ms:.1f} ms per reply "
+                "token",
+                100 * (self.admission.compute_headroom or 0),
+            )
+
+    async def _measured(
+        self,
+        es: EngineSession,
+        prompt: dict[str, Any],
+        params: Any,
+        frame: Frame,
+        *,
+        measure: bool = True,
+    ) -> AsyncIterator[ChunkDelta | ChunkFinished]:
+        """`es.run_chunk`, and the chunk's cost into `self.costs` if it ran alone."""
+        alone = self._in_flight == 0
+        self._in_flight += 1
+        self._turns_started += 1
+        started_as = self._turns_started
+        try:
+            async for item in es.run_chunk(prompt, params, reply=frame.reply):
+                if isinstance(item, ChunkFinished):
+                    alone = alone and self._turns_started == started_as
+                    if measure and alone and item.ttft_ms is not None:
+                        kind: ChunkKind = "text" if frame.kind == "text" else "frame"
+                        timing = ChunkTiming(
+                            ttft_ms=item.ttft_ms,
+                            total_ms=item.total_ms,
+                            prompt_tokens=item.prompt_tokens,
+                            completion_tokens=item.completion_tokens,
+                        )
+                        self.costs.observe(kind, timing)
+                yield item
+        finally:
+            self._in_flight -= 1
 
     def reply_close_tokens(self) -> int:
         """Tokens of the turn close a chunk after an answered one starts with."""

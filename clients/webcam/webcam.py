@@ -519,6 +519,9 @@ async def run(
                         retention=retention,
                         sampling={"max_tokens": args.max_tokens},
                         resumable={"grace_s": args.resume_grace} if args.resume_grace else None,
+                        # What this script sends: single images at --fps (admission reserves
+                        # KV and engine time for exactly that).
+                        limits={"max_clip_frames": 1, "frames_per_s": args.fps},
                     )
                     err.write(
                         f"webcam: session {opened.session_id} on {opened.limits.model} "

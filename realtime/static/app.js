@@ -130,6 +130,8 @@ async function openSession() {
     retention,
     sampling: { max_tokens: s.maxTokens },
     resumable: { grace_s: 30 },
+    // What this page sends: single images, at the chosen pace (admission reserves for it).
+    limits: { max_clip_frames: 1, frames_per_s: fps() },
   });
   state.sessions += 1;
   $("stat-model").textContent = opened.config.model;

@@ -59,6 +59,10 @@ async def _serve(
     # The shared engines have a 1024-token context: with the default 128-token chunk cap a
     # client budget of a few chunks would not fit (realtime/admission.py). Test chunks are short.
     cfg.setdefault("max_chunk_tokens", 64)
+    # Admission by compute measures the engine: its verdicts depend on the machine's load, so
+    # tests that open many sessions for other reasons leave it off; tests/realtime/
+    # test_camera_admission.py turns it on (with an injected cost where it decides).
+    cfg.setdefault("compute_headroom", None)
     config = ServerConfig(port=port, api_key=api_key, **cfg)  # type: ignore[arg-type]
 
     async def hub_factory() -> SessionHub:

@@ -304,9 +304,12 @@ def test_session_limits_may_only_lower_the_server_caps() -> None:
     admission = rules()
     config = video(limits={"max_chunk_tokens": 32, "max_clip_frames": 4})
     assert admission.chunk_caps(config) == (32, 4)
-    assert admission.chunk_caps(video()) == (128, 16)
-    # A clip of 4 frames is 2 temporal steps of 64 tokens; of 16, 8.
-    assert admission.media_tokens(config) == 128 and admission.media_tokens(video()) == 512
+    # A session that declares nothing sends single images (a camera's), reserved as such.
+    assert admission.chunk_caps(video()) == (128, 1)
+    clips = video(limits={"max_clip_frames": 16})
+    # A clip of 4 frames is 2 temporal steps of 64 tokens; of 16, 8; an image is 64.
+    assert admission.media_tokens(config) == 128 and admission.media_tokens(clips) == 512
+    assert admission.media_tokens(video()) == 64
     assert admission.media_tokens(SessionConfig(modality="text")) == 0
     assert admission.chunk_tokens_cap(config) == 32 + 128
     for name in ("max_chunk_tokens", "max_clip_frames"):
@@ -321,7 +324,8 @@ def test_unbounded_sessions_reserve_the_whole_context() -> None:
 
 
 def test_a_budget_that_cannot_fit_is_reserved_whole_or_refused_when_strict() -> None:
-    config = video(retention={"window_chunks": 8})  # 8 segments of 128 + 512 + 64: too many
+    # 8 segments of 128 + 512 + 64: too many
+    config = video(retention={"window_chunks": 8}, limits={"max_clip_frames": 16})
     admitted = rules().admit(config, instructions_tokens=0)
     assert not admitted.bounded and admitted.footprint == unbounded_footprint(2048, 16)
     assert admitted.whole_context_because is not None
@@ -357,15 +361,20 @@ def test_chunks_over_their_caps_or_the_context_are_refused() -> None:
             config, text_tokens=text, clip_frames=clip, is_frame=True, held_tokens=held
         )
 
-    check(bounded, 128, clip=16, held=10**6)  # a bounded session: the engine checks what it holds
+    clips = video(retention={"window_chunks": 1}, limits={"max_clip_frames": 16})
+    check(clips, 128, clip=16, held=10**6)  # a bounded session: the engine checks what it holds
     with pytest.raises(ChunkTooLarge, match="max_chunk_tokens"):
         check(bounded, 129)
-    with pytest.raises(ChunkTooLarge, match="max_clip_frames"):
-        check(bounded, 1, clip=17)
-    # Unbounded: held + text + the largest media + max_tokens must fit the context.
-    check(unbounded, 128, held=2048 - 128 - 512 - 64)
+    with pytest.raises(ChunkTooLarge, match="declared at most 16"):
+        check(clips, 1, clip=17)
+    # Undeclared: single images; a 2-frame clip is one temporal step, an image's tokens.
+    check(bounded, 1, clip=2)
+    with pytest.raises(ChunkTooLarge, match=r"4 frames; this session declared at most 1 \("):
+        check(bounded, 1, clip=4)
+    # Unbounded: held + text + the largest media (an image: 64) + max_tokens must fit.
+    check(unbounded, 128, held=2048 - 128 - 64 - 64)
     with pytest.raises(ContextExceeded, match="about 2049 tokens"):
-        check(unbounded, 128, held=2048 - 128 - 512 - 64 + 1)
+        check(unbounded, 128, held=2048 - 128 - 64 - 64 + 1)
 
 
 def test_media_bounds_default_when_the_processor_says_nothing() -> None:
@@ -437,7 +446,8 @@ def test_the_server_config_sets_the_caps() -> None:
         media=None,
         engine_slots=8,
     )
-    assert admission.chunk_caps(video()) == (64, 16)
+    assert admission.chunk_caps(video()) == (64, 1)
+    assert admission.max_clip_frames == 16  # what a session may declare
     assert admission.retention_args(video())["max_position"] == 900  # type: ignore[index]
     assert (admission.max_sessions, admission.strict_budgets, admission.engine_slots) == (
         3,

@@ -388,8 +388,12 @@ class RealtimeSession:
         """Send ``session.open`` and return the server's ``session.opened``.
 
         ``resumable={"grace_s": N}`` makes the session resilient (see the module docstring).
-        ``limits={"max_chunk_tokens": 32, "max_clip_frames": 2}`` caps this session's chunks
-        below the server's, for a smaller KV reservation (``opened.reservation``).
+        ``limits`` declares what the session sends, and admission reserves for exactly that
+        (``opened.reservation``): by default single images (or text turns) at one chunk a
+        second. A session that sends clips declares them, e.g.
+        ``limits={"max_clip_frames": 16}`` (a clip over the declared cap is refused with
+        ``chunk_too_large``); a faster or slower camera declares its pace,
+        ``limits={"frames_per_s": 5}``; ``{"max_chunk_tokens": 32}`` caps a chunk's text.
 
         ``config`` gives all settings at once; keyword arguments override its fields
         (``retention`` and ``sampling`` may be dicts, e.g. ``{"window_chunks": 4}``).

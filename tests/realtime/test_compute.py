@@ -1,0 +1,160 @@
+"""Admission by compute (realtime/compute.py, Admission.check_compute): pure, no engine.
+
+Costs are injected (pinned, or built from given timings): the decision is arithmetic and is
+tested as such; that the server measures and applies it is tests/realtime/test_camera_admission.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol import CapacityExceeded, SessionConfig
+from realtime.admission import Admission, MediaBounds
+from realtime.compute import (
+    ChunkCost,
+    ChunkTiming,
+    CostModel,
+    SessionLoad,
+    compute_problem,
+    measure,
+)
+
+
+def test_a_chunk_cost_is_its_prefill_and_its_reply() -> None:
+    # ttft 100 ms, 7 steps of 40 ms after it: prefill 100 - 40 = 60 ms; 29 prompt tokens
+    # cost 60 / 29 ms each, below a step: a reply token costs that much.
+    cost = measure(ChunkTiming(ttft_ms=100, total_ms=380, prompt_tokens=29, completion_tokens=8))
+    assert cost is not None
+    assert cost.prefill_ms == pytest.approx(60)
+    assert cost.per_token_ms == pytest.approx(60 / 29)
+    assert cost.chunk_ms(8) == pytest.approx(60 + 8 * 60 / 29)
+    # A one-token prompt: a reply token costs at most one whole step.
+    one = measure(ChunkTiming(ttft_ms=100, total_ms=380, prompt_tokens=1, completion_tokens=8))
+    assert one is not None and one.per_token_ms == pytest.approx(40)
+    # One token: no inter-token step, nothing to separate.
+    assert measure(ChunkTiming(100, 100, 29, 1)) is None
+    assert measure(ChunkTiming(100, 100, 29, 2)) is None  # a zero step: not a measurement
+
+
+def test_the_cost_model_keeps_the_median_of_recent_chunks_per_kind() -> None:
+    costs = CostModel(window=3)
+    assert costs.cost("frame") is None
+    for ttft in (100, 500, 120, 110):  # 500: one outlier; the oldest (100) leaves the window
+        costs.observe("frame", ChunkTiming(ttft, ttft + 70, 10, 8))
+    cost = costs.cost("frame")
+    assert cost is not None and cost.prefill_ms == pytest.approx(120 - 10)
+    assert costs.samples("frame") == 3 and costs.cost("text") is None
+    pinned = CostModel(pinned={"text": ChunkCost(50, 0)})
+    pinned.observe("text", ChunkTiming(1000, 2000, 10, 8))
+    assert pinned.cost("text") == ChunkCost(50, 0) and pinned.samples("text") == 0
+
+
+def test_the_refusal_names_the_compute_term() -> None:
+    open_sessions = [SessionLoad(1.0, 100.0)] * 5  # 0.5 engine-s/s
+    assert compute_problem(open_sessions, SessionLoad(1.0, 100.0), headroom=0.6) is None
+    why = compute_problem(open_sessions, SessionLoad(2.0, 100.0), headroom=0.6)
+    assert why is not None
+    assert "the 5 open sessions take 0.50 engine-s/s and this one 0.20" in why
+    assert "2 frames/s × 100 ms a chunk" in why and "headroom 0.6" in why
+    assert "limits.frames_per_s" in why
+
+
+MEDIA = MediaBounds(image_tokens=64, clip_frame_tokens=64, temporal_patch=2)
+
+
+def rules(headroom: float | None = 0.5) -> Admission:
+    return Admission(
+        max_model_len=2048,
+        max_position=2048,
+        block_size=16,
+        usable_blocks=10_000,
+        max_chunk_tokens=128,
+        max_clip_frames=16,
+        max_instructions_tokens=512,
+        max_sessions=100,
+        media=MEDIA,
+        compute_headroom=headroom,
+    )
+
+
+def camera(**limits: object) -> SessionConfig:
+    return SessionConfig.model_validate(
+        {"modality": "video", "sampling": {"max_tokens": 8}, "limits": limits}
+    )
+
+
+def test_admission_counts_each_session_at_its_declared_pace() -> None:
+    admission = rules()
+    costs = CostModel(pinned={"frame": ChunkCost(90, 1.25), "text": ChunkCost(20, 1.0)})
+    # A default camera: 1 frame/s × (90 + 8 × 1.25) ms = 0.1 engine-s/s; 5 fit under 0.5.
+    load = admission.session_load(camera(), costs)
+    assert load == SessionLoad(1.0, 100.0)
+    open_configs: list[SessionConfig] = []
+    for _ in range(5):
+        admission.check_compute(camera(), open_configs, costs)
+        open_configs.append(camera())
+    with pytest.raises(CapacityExceeded, match="compute"):
+        admission.check_compute(camera(), open_configs, costs)
+    # A slower camera still fits where a default one does not... after one leaves.
+    half = camera(frames_per_s=0.5)
+    with pytest.raises(CapacityExceeded):
+        admission.check_compute(half, open_configs, costs)
+    admission.check_compute(half, open_configs[:-1], costs)
+    # A declared 16-frame clip prefills 8 images' tokens: 8 × 90 + 10 ms a chunk.
+    assert admission.session_load(camera(max_clip_frames=16), costs) == SessionLoad(1.0, 730.0)
+    # Text sessions cost what text chunks cost (64 reply tokens by default).
+    text = SessionConfig(modality="text")
+    assert admission.session_load(text, costs) == SessionLoad(1.0, 84.0)
+
+
+def test_no_measurement_or_no_headroom_admits_by_kv_only() -> None:
+    many = [camera()] * 1000
+    rules().check_compute(camera(), many, CostModel())  # nothing measured yet
+    pinned = CostModel(pinned={"frame": ChunkCost(90, 1.25)})
+    rules(headroom=None).check_compute(camera(), many, pinned)
+
+
+loads = st.builds(
+    SessionLoad,
+    frames_per_s=st.floats(0.01, 30, allow_nan=False),
+    chunk_ms=st.floats(0, 2000, allow_nan=False),
+)
+
+
+@given(st.lists(loads, max_size=40), loads, st.floats(0.05, 1.0))
+@settings(max_examples=300, deadline=None)
+def test_admitted_load_never_passes_the_headroom(
+    open_sessions: list[SessionLoad], new: SessionLoad, headroom: float
+) -> None:
+    """Admitting sessions one by one, from empty: what is admitted fits the headroom, and each
+    refusal is exactly a session that would have passed it."""
+    admitted: list[SessionLoad] = []
+    for session in [*open_sessions, new]:
+        problem = compute_problem(admitted, session, headroom)
+        held = sum(s.load for s in admitted)
+        assert (problem is None) == (held + session.load <= headroom)
+        if problem is None:
+            admitted.append(session)
+    assert sum(s.load for s in admitted) <= headroom + 1e-9
+
+
+@given(
+    ttft=st.floats(1, 5000),
+    steps=st.lists(st.floats(1, 500), min_size=1, max_size=64),
+    prompt=st.integers(1, 4096),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_measured_cost_is_bounded_by_the_chunk_time(
+    ttft: float, steps: list[float], prompt: int
+) -> None:
+    """Whatever the timings: the prefill is at most the time to first token, a reply token at
+    most one step, so a chunk never costs more than it took."""
+    total = ttft + sum(steps)
+    cost = measure(ChunkTiming(ttft, total, prompt, len(steps) + 1))
+    assert cost is not None
+    step = sum(steps) / len(steps)
+    assert 0 <= cost.prefill_ms <= ttft
+    assert 0 <= cost.per_token_ms <= step * (1 + 1e-9)
+    assert cost.chunk_ms(len(steps) + 1) <= total * (1 + 1e-9) + step
