@@ -111,6 +111,7 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         strict_budgets=args.strict_budgets,
         drain_timeout_s=args.drain_timeout,
         max_resume_grace_s=args.max_resume_grace,
+        session_store=args.session_store,
     )
     run_server(config, settings)
     return 0
@@ -191,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         type=_non_negative_float,
         default=60.0,
         help="cap on session.open.resumable.grace_s, seconds (0: no session is resumable)",
+    )
+    serve.add_argument(
+        "--session-store",
+        default=None,
+        metavar="redis://HOST:PORT/DB",
+        help="keep resumable sessions in this Redis, so any replica can resume them "
+        "(docs/scale-out.md); default: in this process only",
     )
     models = sub.add_parser("models", help="list or build the embedded default models")
     models.add_argument("action", choices=["list", "build"])

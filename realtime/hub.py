@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from realtime.engine_session import (
 from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
 from realtime.prompt_format import ChatFormat
+from realtime.session_store import SessionStore, StoredSession
 from realtime.structured import validate_format
 
 log = logging.getLogger("vllm_realtime")
@@ -129,8 +131,26 @@ class SessionHub:
         self.engine_slots = facts.engine_slots
         self._admission: Admission | None = None  # set by start(), with the KV pool
         self._chat: ChatFormat | None = None  # set by start(), from the model's chat template
+        # The shared session store (`serve --session-store`), connected by start().
+        self.store: SessionStore | None = None
+
+    def stored(self, config: SessionConfig) -> bool:
+        """Whether a session is kept in the session store: resumable, bounded in the engine
+        (its snapshot is its window) and text (frames' pixels are not in a snapshot: a video
+        session stays resumable on its own replica only)."""
+        return (
+            self.store is not None
+            and config.resumable is not None
+            and config.retention.enabled
+            and config.modality == "text"
+        )
 
     async def start(self) -> None:
+        if self.config.session_store is not None and self.store is None:
+            replica = f"{socket.gethostname()}:{self.config.port}:{secrets.token_hex(4)}"
+            self.store = SessionStore.connect(self.config.session_store, replica)
+            await self.store.ping()  # an unreachable store stops the start-up here
+            log.info("session store: %s (replica %s)", self.config.session_store, replica)
         pool = await kv_pool(self.engine)
         if pool.kv_cache_groups != 1:
             raise RuntimeError(
@@ -248,7 +268,11 @@ class SessionHub:
         fp, bounded = self.admit(config, instructions_tokens=instructions_tokens)
         self.admission.check_pool(fp, self.reserved_total(), len(self.sessions))
         session = EngineSession(
-            self.engine, protocol.session_id, config.sampling, self.admission.retention_args(config)
+            self.engine,
+            protocol.session_id,
+            config.sampling,
+            self.admission.retention_args(config),
+            snapshots=self.stored(config),
         )
         record = SessionRecord(
             protocol,
@@ -264,6 +288,31 @@ class SessionHub:
         self.metrics.kv_blocks_reserved.set(self.reserved_total())
         log.info("session opened id=%s modality=%s", protocol.session_id[:12], config.modality)
         return record
+
+    async def restore_session(
+        self, session_id: str, stored: StoredSession, owner: str | None
+    ) -> tuple[SessionRecord, int]:
+        """Rebuild a session another replica held, from its record in the session store: the
+        same id, config and counters, and its retained tokens re-prefilled once. The session
+        and the tokens re-prefilled."""
+        protocol = SessionProtocol.restored(
+            self.limits(),
+            session_id=session_id,
+            config=stored.config,
+            frames_total=stored.frames_total,
+            responses=stored.responses,  # type: ignore[arg-type]  # statuses, as written
+        )
+        record = await self.open_session(protocol, stored.config, owner, "websocket")
+        tokens = 0
+        try:
+            if stored.snapshot is not None:
+                tokens = await record.engine_session.restore(
+                    stored.snapshot, chunks=stored.chunks, turn_open=stored.turn_open
+                )
+        except BaseException:
+            await self.close_session(record)
+            raise
+        return record, tokens
 
     def find(
         self, session_id: str, owner: str | None, transport: Literal["websocket", "http"]

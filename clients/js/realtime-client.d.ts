@@ -192,6 +192,10 @@ export interface SessionResumedEvent extends ServerEventBase {
   missed_response: ResponseDoneEvent | null;
   /** The new token (the old one no longer works). */
   resume_token: string;
+  /** True: rebuilt on this server from the session store (its old server is gone). */
+  rebuilt?: boolean;
+  /** Tokens of the retained context re-prefilled by the rebuild (0: not rebuilt). */
+  reprefilled_tokens?: number;
 }
 
 export interface ServerDrainingEvent extends ServerEventBase {
