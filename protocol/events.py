@@ -661,6 +661,16 @@ class SessionResumedEvent(_ServerEventBase):
         description="The response.done that finished while no connection was attached, if any.",
     )
     resume_token: str = Field(description="New secret for the next session.resume (rotated).")
+    rebuilt: bool = Field(
+        default=False,
+        description="True: this server rebuilt the session from the session store (its old "
+        "server is gone or let it go); false: the server that held it took it back.",
+    )
+    reprefilled_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Tokens of the retained context re-prefilled to rebuild it (0: not rebuilt).",
+    )
 
 
 class SessionClosedEvent(_ServerEventBase):

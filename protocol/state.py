@@ -453,6 +453,27 @@ class SessionProtocol:
         """The response.done that finished while the session was parked, until resumed."""
         self._state = State.CONNECTED
 
+    @classmethod
+    def restored(
+        cls,
+        limits: Limits,
+        *,
+        session_id: str,
+        config: SessionConfig,
+        frames_total: int,
+        responses: dict[ResponseStatus, int],
+    ) -> SessionProtocol:
+        """The machine of a session rebuilt on another server from a session store (issue
+        #39): PARKED, as its owner left it at its last reply, awaiting ``resumed``."""
+        if config.resumable is None:
+            raise InternalError("only a resumable session can be restored")
+        proto = cls(limits, session_id=session_id)
+        proto.config = config
+        proto.frames_total = frames_total
+        proto.responses = dict(responses)
+        proto._state = State.PARKED
+        return proto
+
     @property
     def state(self) -> State:
         """The current state."""

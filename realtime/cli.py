@@ -113,6 +113,7 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         max_resume_grace_s=args.max_resume_grace,
         compute_headroom=args.compute_headroom or None,
         chunk_cost_ms=args.chunk_cost_ms,
+        session_store=args.session_store,
     )
     run_server(config, settings)
     return 0
@@ -221,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         type=_non_negative_float,
         default=None,
         help="the cost of a chunk's prefill, ms, instead of measuring it (replies then free)",
+    )
+    serve.add_argument(
+        "--session-store",
+        default=None,
+        metavar="redis://HOST:PORT/DB",
+        help="keep resumable sessions in this Redis, so any replica can resume them "
+        "(docs/scale-out.md); default: in this process only",
     )
     models = sub.add_parser("models", help="list or build the embedded default models")
     models.add_argument("action", choices=["list", "build"])

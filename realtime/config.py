@@ -55,6 +55,10 @@ class ServerConfig:
     # Cap on session.open.resumable.grace_s: how long a dropped resumable session is kept
     # (KV and admission reservation included) for session.resume; 0: no session is resumable.
     max_resume_grace_s: float = 60.0
+    # The shared session store (redis://HOST:PORT/DB, realtime/session_store.py): resumable
+    # bounded text sessions are written there at every fold and any replica can resume them.
+    # None: resumable sessions live in this process only.
+    session_store: str | None = None
     # Browser credentials (POST /v1/realtime/client_secrets): default and longest lifetime.
     client_secret_ttl_s: float = 60.0
     max_client_secret_ttl_s: float = 600.0

@@ -46,7 +46,8 @@ from protocol import (
 )
 from realtime.drain import Lifecycle
 from realtime.hub import SessionHub, SessionRecord
-from realtime.resumption import ResumeTokens
+from realtime.resumption import ResumeTokens, new_token
+from realtime.session_store import StoredSession
 
 log = logging.getLogger("vllm_realtime")
 
@@ -123,6 +124,12 @@ class Connection:
         self.frames = _FrameBucket(hub.config.max_frames_per_s, hub.config.frame_burst)
         # Last client event or end of a turn: the idle clock runs from whichever came last.
         self.last_activity = time.monotonic()
+        # Session store (issue #39): the fence this connection holds for its session (None:
+        # not stored), the task that keeps the lease, and the writes of its folds in order.
+        self.fence: int | None = None
+        self.keeper: asyncio.Task[None] | None = None
+        self.store_lock = asyncio.Lock()
+        self.store_seq = 0
 
     async def send(self, event: ServerEvent) -> None:
         if isinstance(event, ErrorEvent):
@@ -246,11 +253,15 @@ class Connection:
         if expiry is not None and expiry is not asyncio.current_task():
             expiry.cancel()
 
-    async def take_over(self, ws: WebSocket) -> None:
+    async def take_over(
+        self, ws: WebSocket, token: str | None = None, *, reprefilled: int | None = None
+    ) -> None:
         """session.resume from `ws` was accepted: the session continues on that socket.
 
         Whether it was parked or its old socket still looks open (half-open TCP: the server
-        has not seen the drop yet), the old socket is let go and never serves it again."""
+        has not seen the drop yet), the old socket is let go and never serves it again.
+        `token`: the new token the session store issued; `reprefilled`: set when this server
+        rebuilt the session from the store (the tokens it re-prefilled)."""
         old = self.ws
         if not self.parked:
             self.proto.detach()
@@ -264,14 +275,19 @@ class Connection:
         self.frames = _FrameBucket(self.hub.config.max_frames_per_s, self.hub.config.frame_burst)
         self.last_activity = time.monotonic()
         assert self.resume_tokens is not None
-        token = self.resume_tokens.issue(self.proto.session_id, self.owner, self)
+        token = self.resume_tokens.issue(self.proto.session_id, self.owner, self, token)
         resumed = self.proto.resumed(token)
+        if reprefilled is not None:
+            resumed = resumed.model_copy(
+                update={"rebuilt": True, "reprefilled_tokens": reprefilled}
+            )
         self.hub.metrics.sessions_resumed.inc()
         log.info(
-            "session resumed id=%s next_frame=%d missed_response=%s",
+            "session resumed id=%s next_frame=%d missed_response=%s rebuilt=%s",
             self.proto.session_id[:12],
             resumed.next_frame_index,
             resumed.missed_response is not None,
+            reprefilled is not None,
         )
         await self.send(resumed)
 
@@ -330,6 +346,8 @@ class Connection:
                     action = OpenSession(
                         action.config, action.event.model_copy(update={"resume_token": token})
                     )
+                    if self.hub.stored(action.config):
+                        await self._store_open(token)
             except RealtimeError as exc:
                 # Admission errors answer the session.open: echo its event_id (they did not).
                 exc.event_id = exc.event_id or event_id
@@ -359,13 +377,25 @@ class Connection:
 
     async def _resume(self, action: ResumeSession) -> None:
         """session.resume on this fresh connection: hand the socket to the session's holder."""
+        token: str | None = None
+        reprefilled: int | None = None
         try:
             self.lifecycle.check_admitting(action.event_id)
             if self.resume_tokens is None:
                 raise SessionNotFound("this server keeps no resumable sessions")
-            holder = self.resume_tokens.claim(
-                action.session_id, action.resume_token, self.owner, action.event_id
-            )
+            claimed = await self._claim_from_store(action)
+            if claimed is not None:
+                holder, token, reprefilled = claimed
+            else:
+                holder = self.resume_tokens.claim(
+                    action.session_id, action.resume_token, self.owner, action.event_id
+                )
+                if holder.fence is not None:
+                    # A stored session is resumed through the store only (it rotates the
+                    # token for every replica; this replica's copy may be stale).
+                    raise SessionNotFound(
+                        "no resumable session with this id and token", event_id=action.event_id
+                    )
             if holder.closed:  # pragma: no cover (closed sessions are forgotten at once)
                 raise SessionNotFound("no such session", event_id=action.event_id)
         except RealtimeError as exc:
@@ -381,7 +411,172 @@ class Connection:
         self.handed_to = holder
         if holder.connections is not None:
             holder.connections.add(holder)
-        await holder.take_over(self.ws)
+        await holder.take_over(self.ws, token, reprefilled=reprefilled)
+        if holder.fence is not None and holder.keeper is None:
+            holder.keeper = asyncio.create_task(holder._keep_lease())
+
+    # -- the session store (realtime/session_store.py)
+
+    def _grace(self) -> float:
+        config = self.proto.config
+        assert config is not None and config.resumable is not None
+        return config.resumable.grace_s
+
+    async def _store_open(self, token: str) -> None:
+        store = self.hub.store
+        assert store is not None
+        self.fence = await store.create(
+            self.proto.session_id, self.owner, token, self._grace(), self._stored_state()
+        )
+        self.keeper = asyncio.create_task(self._keep_lease())
+
+    def _stored_state(self) -> StoredSession:
+        """The session as its last fold left it (call between turns, or right after one)."""
+        assert self.record is not None and self.proto.config is not None
+        es = self.record.engine_session
+        return StoredSession(
+            config=self.proto.config,
+            frames_total=self.proto.frames_total,
+            responses={str(k): v for k, v in self.proto.responses.items()},
+            turn_open=es.turn_open,
+            chunks=es.chunks,
+            snapshot=es.snapshot,
+        )
+
+    async def _claim_from_store(
+        self, action: ResumeSession
+    ) -> tuple[Connection, str, int | None] | None:
+        """Claim the session in the store: its local holder (this replica held it) or a
+        rebuilt one, the new token, and the tokens re-prefilled (None: not rebuilt). None if
+        the store does not know the session (it may still be a local-only one)."""
+        store = self.hub.store
+        if store is None:
+            return None
+        token = new_token()
+        claim = await store.claim(
+            action.session_id,
+            action.resume_token,
+            self.owner,
+            token,
+            max(self.hub.config.max_resume_grace_s, 1.0),
+        )
+        if claim is None:
+            return None
+        assert self.resume_tokens is not None
+        local = self.resume_tokens.holder(action.session_id)
+        if local is not None and not local.closed:
+            local.fence = claim.fence  # the same replica takes it back: no rebuild
+            return local, token, None
+        started = time.perf_counter()
+        try:
+            record, tokens = await self.hub.restore_session(
+                action.session_id, claim.stored, self.owner
+            )
+        except RealtimeError as exc:
+            # No room (or no engine) here: the presented token works again elsewhere.
+            await store.give_back(action.session_id, claim.fence, action.resume_token, 60.0)
+            exc.event_id = exc.event_id or action.event_id
+            raise
+        holder = Connection(
+            self.ws, self.hub, self.owner, self.lifecycle, self.resume_tokens, self.connections
+        )
+        holder.proto = record.protocol
+        holder.record = record
+        holder.fence = claim.fence
+        holder.parked = True  # take_over attaches it, as a parked one
+        self.hub.metrics.sessions_parked.inc()
+        took = time.perf_counter() - started
+        self.hub.metrics.rebuild_seconds.observe(took)
+        self.hub.metrics.rebuild_tokens.inc(tokens)
+        log.info(
+            "session rebuilt id=%s tokens=%d in %.3f s (fence %d)",
+            action.session_id[:12],
+            tokens,
+            took,
+            claim.fence,
+        )
+        return holder, token, tokens
+
+    async def _keep_lease(self) -> None:
+        """While this replica holds a stored session: refresh its hash, and let the session
+        go as soon as another replica has claimed it (the fence moved on)."""
+        store = self.hub.store
+        assert store is not None
+        period = min(1.0, self._grace() / 4)
+        while not self.closed and self.fence is not None:
+            await asyncio.sleep(period)
+            try:
+                held = await store.refresh(self.proto.session_id, self.fence, self._grace())
+            except Exception as exc:  # the store is down: keep serving, try again
+                log.warning("session store refresh failed: %s", type(exc).__name__)
+                continue
+            if not held:
+                self.keeper = None  # _let_go's finish must not cancel the task it runs in
+                await self._let_go()
+                return
+
+    async def _let_go(self) -> None:
+        """Another replica claimed this session: stop serving it here, write nothing more."""
+        if self.closed:
+            return
+        log.info("session taken over elsewhere id=%s", self.proto.session_id[:12])
+        self.fence = None
+        socket_gone = self.parked or self.ws.client_state != WebSocketState.CONNECTED
+        if not socket_gone:
+            await self.send_error(SessionNotFound("this session was resumed on another connection"))
+        await self.finish(self.proto.server_close("error"), socket_gone=socket_gone)
+
+    async def _still_held(self) -> bool:
+        """Before a chunk: whether this replica still holds its stored session (a replica
+        whose lease moved on must not run one more chunk: no second writer, ever)."""
+        store = self.hub.store
+        if self.fence is None or store is None:
+            return True
+        try:
+            return bool(await store.refresh(self.proto.session_id, self.fence, self._grace()))
+        except Exception:
+            return True  # the store is down: the fenced write after the fold still guards
+
+    async def _persist(self, state: StoredSession) -> None:
+        """Write a fold's state (`state`, taken right after the turn), then once more after
+        an idle consolidation (the snapshot then holds the consolidated window)."""
+        store = self.hub.store
+        if store is None or self.fence is None or self.record is None:
+            return
+        self.store_seq += 1
+        seq = self.store_seq
+        es = self.record.engine_session
+        async with self.store_lock:
+            if not await self._write(state):
+                return
+        if es.consolidating:
+            await es.settle()
+            async with self.store_lock:
+                if seq == self.store_seq and es.snapshot is not None:
+                    await self._write(
+                        StoredSession(
+                            state.config,
+                            state.frames_total,
+                            state.responses,
+                            state.turn_open,
+                            state.chunks,
+                            es.snapshot,
+                        )
+                    )
+
+    async def _write(self, state: StoredSession) -> bool:
+        store = self.hub.store
+        if store is None or self.fence is None:
+            return False
+        try:
+            ok = await store.write(self.proto.session_id, self.fence, state, self._grace())
+        except Exception as exc:
+            log.warning("session store write failed: %s", type(exc).__name__)
+            return False
+        self.hub.metrics.store_bytes_per_fold.observe(store.bytes_written_last)
+        if not ok:
+            await self._let_go()
+        return ok
 
     async def _run_turn(self, action: SubmitFrame) -> None:
         assert self.record is not None
@@ -391,10 +586,17 @@ class Connection:
                 ResponseCreatedEvent(frame_index=frame.frame_index, frame_id=frame.frame_id)
             )
         try:
+            if not await self._still_held():
+                self.turn = None  # _let_go's finish must not cancel the task it runs in
+                await self._let_go()
+                return
             outcome = await self.hub.run_turn(
                 self.record, frame, on_delta=self.send, cancelled=self.cancelled
             )
+            stored = self._stored_state() if self.fence is not None else None
             await self.send(outcome.done)
+            if stored is not None and outcome.close_reason is None:
+                await self._persist(stored)
             if outcome.error is not None:
                 await self.send_error(outcome.error)
             if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
@@ -434,6 +636,14 @@ class Connection:
             return
         self.closed = True
         self._unpark()
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None and keeper is not asyncio.current_task():
+            keeper.cancel()
+        fence, self.fence = self.fence, None
+        if fence is not None and self.hub.store is not None:
+            # Closed or expired here: nothing of it stays (fenced: not if it moved on).
+            with contextlib.suppress(Exception):
+                await self.hub.store.delete(self.proto.session_id, fence)
         if self.resume_tokens is not None:
             self.resume_tokens.forget(self.proto.session_id)
         if self.connections is not None:

@@ -52,9 +52,11 @@ from retention.policy import (
     CONSOLIDATE,
     CONTROL_KEY,
     REQUEST_ARGS_KEY,
+    RESTORE_KEY,
+    SNAPSHOT_KEY,
     idle_time_suffices,
 )
-from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport
+from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport, SessionSnapshot
 
 
 def structured_outputs(fmt: ResponseFormat | None) -> Any:
@@ -263,13 +265,16 @@ class EngineSession:
         ignore_eos: bool = False,
         idle_consolidation: bool = True,
         adapt_idle_to_client: bool = True,
+        snapshots: bool = False,
     ) -> None:
         """`retention`: the engine budget (`extra_args["streaming_retention"]`), if bounded.
         `ignore_eos`: replies always run to max_tokens (benchmarks, for comparable turns).
         `idle_consolidation`: consolidate between chunks when the engine asks (bounded
         sessions); False leaves every consolidation on a chunk's path (benchmarks).
         `adapt_idle_to_client`: skip an idle consolidation the client's recent gaps leave no time
-        for (`retention.policy.idle_time_suffices`); False: always consolidate while idle."""
+        for (`retention.policy.idle_time_suffices`); False: always consolidate while idle.
+        `snapshots`: every chunk boundary's report carries the session's `SessionSnapshot`
+        (bounded sessions kept in a session store, realtime/session_store.py)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -288,6 +293,8 @@ class EngineSession:
         )
         if retention is not None:
             self._sampling_params.extra_args = {REQUEST_ARGS_KEY: retention}
+            if snapshots:
+                self._sampling_params.extra_args[SNAPSHOT_KEY] = True
         self.bounded = retention is not None
         self.idle_consolidation = idle_consolidation and self.bounded
         # The control chunk in flight (idle consolidation), and how many ran.
@@ -418,6 +425,38 @@ class EngineSession:
                     report=report,
                 )
                 return
+
+    async def restore(self, snapshot: SessionSnapshot, *, chunks: int, turn_open: bool) -> int:
+        """Rebuild this (new) session from another replica's snapshot: one chunk whose prompt
+        is the held tokens, prefilled at 0..n-1 in a consolidation's pieces; the engine
+        records them as the snapshot's history (`policy.RESTORE_KEY`). Afterwards the session
+        is what the original was after a consolidation. Returns the tokens re-prefilled."""
+        from vllm.inputs import TokensPrompt
+
+        if self.chunks or not self.bounded:
+            raise RuntimeError("restore() rebuilds a new bounded session only")
+        params = self.chunk_params(reply=False)
+        history = {k: v for k, v in snapshot.to_dict().items() if k != "token_ids"}
+        params.extra_args = {**(params.extra_args or {}), RESTORE_KEY: history}
+        prompt = TokensPrompt(prompt_token_ids=list(snapshot.token_ids))
+        async for _ in self.run_chunk(dict(prompt), params, reply=False):
+            pass
+        self.chunks = chunks
+        self.turn_open = turn_open
+        return len(snapshot.token_ids)
+
+    @property
+    def snapshot(self) -> SessionSnapshot | None:
+        """The last chunk boundary's snapshot (sessions opened with `snapshots`)."""
+        report = self.boundary_report
+        return None if report is None else report.snapshot
+
+    async def settle(self) -> None:
+        """Wait for an idle consolidation in flight, if any (its failure is not raised here)."""
+        task = self._idle_task
+        if task is not None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.shield(task)
 
     async def _wait_idle_consolidation(self) -> None:
         """Wait for the control chunk in flight, if any (its failure is this chunk's). Shielded:

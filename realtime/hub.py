@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -60,6 +62,7 @@ from realtime.engine_session import (
 from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
 from realtime.prompt_format import ChatFormat
+from realtime.session_store import SessionStore, StoredSession
 from realtime.structured import validate_format
 
 log = logging.getLogger("vllm_realtime")
@@ -183,6 +186,19 @@ class SessionHub:
         # other one ran beside it (its time to first token is then its own, not a queue's).
         self._in_flight = 0
         self._turns_started = 0
+        # The shared session store (`serve --session-store`), connected by start().
+        self.store: SessionStore | None = None
+
+    def stored(self, config: SessionConfig) -> bool:
+        """Whether a session is kept in the session store: resumable, bounded in the engine
+        (its snapshot is its window) and text (frames' pixels are not in a snapshot: a video
+        session stays resumable on its own replica only)."""
+        return (
+            self.store is not None
+            and config.resumable is not None
+            and config.retention.enabled
+            and config.modality == "text"
+        )
 
     async def start(self) -> None:
         from retention.vllm_adapter.model_families import check_model_family
@@ -191,6 +207,11 @@ class SessionHub:
         # reason (retention/vllm_adapter/model_families.py), before anything is served.
         family = check_model_family(self.engine.model_config)
         log.info("model family: %s (%s positions)", family.family, family.positions)
+        if self.config.session_store is not None and self.store is None:
+            replica = f"{socket.gethostname()}:{self.config.port}:{secrets.token_hex(4)}"
+            self.store = SessionStore.connect(self.config.session_store, replica)
+            await self.store.ping()  # an unreachable store stops the start-up here
+            log.info("session store: %s (replica %s)", self.config.session_store, replica)
         pool = await kv_pool(self.engine)
         if pool.kv_cache_groups != 1:
             raise RuntimeError(
@@ -317,7 +338,11 @@ class SessionHub:
         self.admission.check_pool(fp, self.reserved_total(), len(self.sessions))
         self.admission.check_compute(config, self.open_configs(), self.costs)
         session = EngineSession(
-            self.engine, protocol.session_id, config.sampling, self.admission.retention_args(config)
+            self.engine,
+            protocol.session_id,
+            config.sampling,
+            self.admission.retention_args(config),
+            snapshots=self.stored(config),
         )
         record = SessionRecord(
             protocol,
@@ -336,6 +361,31 @@ class SessionHub:
 
     def open_configs(self) -> list[SessionConfig]:
         return [c for r in self.sessions.values() if (c := r.protocol.config) is not None]
+
+    async def restore_session(
+        self, session_id: str, stored: StoredSession, owner: str | None
+    ) -> tuple[SessionRecord, int]:
+        """Rebuild a session another replica held, from its record in the session store: the
+        same id, config and counters, and its retained tokens re-prefilled once. The session
+        and the tokens re-prefilled."""
+        protocol = SessionProtocol.restored(
+            self.limits(),
+            session_id=session_id,
+            config=stored.config,
+            frames_total=stored.frames_total,
+            responses=stored.responses,  # type: ignore[arg-type]  # statuses, as written
+        )
+        record = await self.open_session(protocol, stored.config, owner, "websocket")
+        tokens = 0
+        try:
+            if stored.snapshot is not None:
+                tokens = await record.engine_session.restore(
+                    stored.snapshot, chunks=stored.chunks, turn_open=stored.turn_open
+                )
+        except BaseException:
+            await self.close_session(record)
+            raise
+        return record, tokens
 
     def find(
         self, session_id: str, owner: str | None, transport: Literal["websocket", "http"]

@@ -64,6 +64,23 @@ class Metrics:
             "Parked sessions closed because nobody resumed them within their grace period.",
             registry=self.registry,
         )
+        # The session store (issue #39).
+        self.store_bytes_per_fold = Histogram(
+            "vllm_realtime_store_bytes_per_fold",
+            "Bytes written to the session store per fold of a stored session.",
+            buckets=(1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20),
+            registry=self.registry,
+        )
+        self.rebuild_seconds = Histogram(
+            "vllm_realtime_session_rebuild_seconds",
+            "Rebuilding a session from the store (admission + one re-prefill of its window).",
+            registry=self.registry,
+        )
+        self.rebuild_tokens = Counter(
+            "vllm_realtime_session_rebuild_tokens",
+            "Tokens re-prefilled to rebuild sessions from the store.",
+            registry=self.registry,
+        )
         self.errors = Counter(
             "vllm_realtime_protocol_errors", "Error events sent.", ["code"], registry=self.registry
         )

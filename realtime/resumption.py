@@ -9,6 +9,10 @@ only as a SHA-256 digest, bound to the API key that opened the session, rotated 
 parked: a client may resume before the server has noticed that the old socket is dead (a
 half-open TCP connection), and then takes the session from it.
 
+With a session store (`serve --session-store`, realtime/session_store.py) the store is the
+authority for stored sessions: it checks and rotates the token for every replica, and this
+registry only finds the local holder of a session the store handed to this replica.
+
 Every refusal is the same `session_not_found`, for an unknown id, a wrong token, another key or
 an expired session alike, so the answer does not tell whether the id exists.
 """
@@ -26,6 +30,11 @@ from protocol import SessionNotFound
 T = TypeVar("T")
 
 _NOT_RESUMABLE = "no resumable session with this id and token (unknown, expired, or not yours)"
+
+
+def new_token() -> str:
+    """A fresh resume token: 256 random bits."""
+    return secrets.token_urlsafe(32)
 
 
 def _digest(token: str) -> bytes:
@@ -56,9 +65,10 @@ class ResumeTokens(Generic[T]):
     def __len__(self) -> int:
         return len(self._entries)
 
-    def issue(self, session_id: str, owner: str | None, holder: T) -> str:
-        """Register (or re-register, rotating the token) a session; the new token."""
-        token = secrets.token_urlsafe(32)  # 256 bits
+    def issue(self, session_id: str, owner: str | None, holder: T, token: str | None = None) -> str:
+        """Register (or re-register, rotating the token) a session; the new token (`token`:
+        one already issued through the session store)."""
+        token = token or new_token()
         self._entries[session_id] = _Entry(holder, owner, _digest(token))
         return token
 
@@ -74,6 +84,11 @@ class ResumeTokens(Generic[T]):
         if entry is None or not (token_ok and owner_ok):
             raise SessionNotFound(_NOT_RESUMABLE, event_id=event_id)
         return entry.holder
+
+    def holder(self, session_id: str) -> T | None:
+        """The local holder of `session_id`, unchecked (the session store checked the token)."""
+        entry = self._entries.get(session_id)
+        return None if entry is None else entry.holder
 
     def forget(self, session_id: str) -> None:
         self._entries.pop(session_id, None)

@@ -95,6 +95,8 @@ def create_app(hub_factory: Callable[[], Awaitable[SessionHub]], config: ServerC
                 await conn.finish(conn.proto.server_close("server_shutdown"))
             for record in list(hub.sessions.values()):
                 await hub.close_session(record)
+            if hub.store is not None:
+                await hub.store.close()
 
     # No /docs, /redoc, /openapi.json: every route but /health and the demo page needs the key
     # (docs/protocol.md), and FastAPI's generated pages would be open ones.

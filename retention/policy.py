@@ -79,7 +79,9 @@ __all__ = [
     "CONSOLIDATE",
     "CONTROL_KEY",
     "REQUEST_ARGS_KEY",
+    "RESTORE_KEY",
     "SEGMENT_KINDS",
+    "SNAPSHOT_KEY",
     "TEXT_KINDS",
     "EvictionPlan",
     "HistorySegment",
@@ -127,6 +129,15 @@ CONTROL_KEY: Final = "streaming_control"
 """``SamplingParams.extra_args`` key of a *control chunk*: a chunk that carries no content for
 the session. Its prompt tokens are dropped by the scheduler at the fold, and the one token it
 samples is dropped by the next fold, so the context gains nothing from it."""
+
+SNAPSHOT_KEY: Final = "streaming_snapshot"
+"""``SamplingParams.extra_args`` key: true asks EngineCore to put the session's
+``records.SessionSnapshot`` in every chunk boundary's report (a session store rebuilds it
+elsewhere from that)."""
+
+RESTORE_KEY: Final = "streaming_restore"
+"""``SamplingParams.extra_args`` key of a rebuilt session's first chunk: the ``SessionSnapshot``
+(without its tokens, which are the chunk's prompt) whose history the first fold takes over."""
 
 CONSOLIDATE: Final = "consolidate"
 """The control chunk that consolidates a bounded session now, while it is idle."""

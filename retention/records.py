@@ -10,7 +10,8 @@ record is a change to one class and a stale peer fails loudly instead of misread
   that closes the chunk, so the server learns the session's state from the reply itself,
   without a second call into EngineCore. It rides in `EngineCoreOutput.kv_transfer_params`,
   the one per-output dict vLLM 0.32 passes through to `RequestOutput` untouched (no KV
-  connector is ever configured with this scheduler), under `SESSION_REPORT_KEY`.
+  connector is ever configured with this scheduler), under `SESSION_REPORT_KEY`. A bounded
+  session that asked for it (`policy.SNAPSHOT_KEY`) also gets its `SessionSnapshot` there.
 """
 
 from __future__ import annotations
@@ -56,6 +57,48 @@ class RetentionCounters:
     front end should consolidate now, while the session is idle (a control chunk)."""
 
 
+SegmentRecord = tuple[int, str, int, bool, bool]
+"""One held segment of a snapshot: (chunk index, kind, tokens, pinned, remnant), cache order."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSnapshot:
+    """What rebuilds a bounded session elsewhere (issue #39): the tokens it holds at a chunk
+    boundary, in cache order, and how they split into history segments, with its counters.
+
+    A fresh request whose prompt is `token_ids` and whose first chunk carries the segments
+    (`policy.RESTORE_KEY`) holds exactly what this session holds after a consolidation: the
+    same tokens at positions 0..n-1, split into the same segments for eviction."""
+
+    token_ids: list[int]
+    """Every token whose KV the session holds (the last sampled token excluded)."""
+    segments: list[SegmentRecord]
+    """How `token_ids` tile into history segments (their token counts sum to its length)."""
+    next_index: int
+    """The next chunk number of the history."""
+    chunks: int
+    """Chunks recorded so far (the first `sink_chunks` are pinned with a text window)."""
+    tokens_evicted_total: int = 0
+    chunks_evicted_total: int = 0
+    evictions_total: int = 0
+    consolidations_total: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, body: Mapping[str, Any], *, check: bool = True) -> SessionSnapshot:
+        d = dict(body)
+        d["segments"] = [
+            (int(i), str(k), int(n), bool(p), bool(r)) for i, k, n, p, r in d["segments"]
+        ]
+        d["token_ids"] = [int(t) for t in d["token_ids"]]
+        snapshot = cls(**d)
+        if check and sum(seg[2] for seg in snapshot.segments) != len(snapshot.token_ids):
+            raise ValueError("snapshot segments do not tile its tokens")
+        return snapshot
+
+
 @dataclass(frozen=True, slots=True)
 class SessionReport:
     """One streaming session's state as EngineCore sees it, on the output that carries it."""
@@ -71,6 +114,8 @@ class SessionReport:
     """Set when the engine ended the session (or refused its chunk): why."""
     message: str | None = None
     """The human-readable reason that goes with `error`."""
+    snapshot: SessionSnapshot | None = None
+    """Set for a bounded session that asked for it: what rebuilds it on another replica."""
 
     def to_wire(self) -> dict[str, Any]:
         body = asdict(self)
@@ -90,10 +135,12 @@ class SessionReport:
                 f"{SESSION_REPORT_VERSION} (engine and server must run the same code)"
             )
         counters = body.pop("retention", None)
+        snapshot = body.pop("snapshot", None)
         error = body.get("error")
         if error is not None and error not in _ERROR_CODES:
             raise RecordVersionError(f"unknown session error code {error!r}")
         return cls(
             retention=None if counters is None else RetentionCounters(**counters),
+            snapshot=None if snapshot is None else SessionSnapshot.from_dict(snapshot),
             **body,
         )

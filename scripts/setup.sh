@@ -7,16 +7,17 @@ PY="${PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
 
 # System tools the test suite drives: Debian's chromium (the demo page's browser test; no
-# browser is downloaded), ffmpeg (the webcam script) and nginx (the scale-out router config,
-# run for real). Installed once, where apt-get and root are available; elsewhere those tests
-# skip and say why.
+# browser is downloaded), ffmpeg (the webcam script), nginx (the scale-out router config,
+# run for real) and redis-server (the shared session store's tests). Installed once, where
+# apt-get and root are available; elsewhere those tests skip and say why (in CI they fail).
 if ! command -v chromium >/dev/null 2>&1 || ! command -v ffmpeg >/dev/null 2>&1 \
-  || { ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; }; then
+  || { ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; } \
+  || ! command -v redis-server >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg nginx-light
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium ffmpeg nginx-light redis-server
   else
-    echo "setup: chromium/ffmpeg/nginx missing and apt-get unavailable; their tests will skip"
+    echo "setup: chromium/ffmpeg/nginx/redis-server missing, no apt-get: their tests will skip"
   fi
 fi
 

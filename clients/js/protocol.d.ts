@@ -207,10 +207,13 @@ export interface ResumableConfig {
   grace_s: number;
 }
 /**
- * Caps a session puts on its own chunks, at or below the server's (``limits``).
+ * What a session declares it sends: caps on its chunks (at or below the server's
+ * ``limits``) and its pace.
  *
- * Admission reserves KV for the largest chunk a session may send; lower caps give a smaller
- * reservation, so more sessions fit. A chunk over a cap is refused with ``chunk_too_large``.
+ * Admission reserves KV for the largest chunk a session may send and engine time for its
+ * frames per second; lower caps and a slower pace reserve less, so more sessions fit. A chunk
+ * over a cap is refused with ``chunk_too_large``. A session that declares nothing sends single
+ * images (or text) at one chunk a second.
  */
 export interface ChunkLimits {
   /**
@@ -218,9 +221,13 @@ export interface ChunkLimits {
    */
   max_chunk_tokens?: number | null;
   /**
-   * Most frames of one video clip (an image counts as one); null: the server's limits.max_clip_frames.
+   * Most frames of one video clip (an image counts as one), at most the server's limits.max_clip_frames; 1: single images only.
    */
-  max_clip_frames?: number | null;
+  max_clip_frames?: number;
+  /**
+   * Chunks per second this session sends at most: admission reserves engine time for this pace (1.0: a camera's pace).
+   */
+  frames_per_s?: number;
 }
 /**
  * ``frame.append``: one chunk (frame, clip or text turn); the server replies once.
@@ -376,7 +383,7 @@ export interface Limits {
    */
   max_instructions_tokens: number | null;
   /**
-   * Most frames of one video clip; null: no cap.
+   * Most frames of one video clip a session may declare (session.open.limits.max_clip_frames; undeclared: single images); null: no clips.
    */
   max_clip_frames: number | null;
   /**
@@ -539,10 +546,13 @@ export interface EffectiveJsonSchemaSpec {
   strict: boolean | null;
 }
 /**
- * Caps a session puts on its own chunks, at or below the server's (``limits``).
+ * What a session declares it sends: caps on its chunks (at or below the server's
+ * ``limits``) and its pace.
  *
- * Admission reserves KV for the largest chunk a session may send; lower caps give a smaller
- * reservation, so more sessions fit. A chunk over a cap is refused with ``chunk_too_large``.
+ * Admission reserves KV for the largest chunk a session may send and engine time for its
+ * frames per second; lower caps and a slower pace reserve less, so more sessions fit. A chunk
+ * over a cap is refused with ``chunk_too_large``. A session that declares nothing sends single
+ * images (or text) at one chunk a second.
  */
 export interface EffectiveChunkLimits {
   /**
@@ -550,9 +560,13 @@ export interface EffectiveChunkLimits {
    */
   max_chunk_tokens: number | null;
   /**
-   * Most frames of one video clip (an image counts as one); null: the server's limits.max_clip_frames.
+   * Most frames of one video clip (an image counts as one), at most the server's limits.max_clip_frames; 1: single images only.
    */
-  max_clip_frames: number | null;
+  max_clip_frames: number;
+  /**
+   * Chunks per second this session sends at most: admission reserves engine time for this pace (1.0: a camera's pace).
+   */
+  frames_per_s: number;
 }
 /**
  * The KV capacity admission set aside for a session: its peak footprint.
@@ -799,6 +813,14 @@ export interface SessionResumedEvent {
    * New secret for the next session.resume (rotated).
    */
   resume_token: string;
+  /**
+   * True: this server rebuilt the session from the session store (its old server is gone or let it go); false: the server that held it took it back.
+   */
+  rebuilt: boolean;
+  /**
+   * Tokens of the retained context re-prefilled to rebuild it (0: not rebuilt).
+   */
+  reprefilled_tokens: number;
 }
 /**
  * ``server.draining``: the server is shutting down; finish the reply in flight and go.

@@ -15,13 +15,14 @@ alone, with no worker (tests/retention/test_scheduler_compat.py).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from vllm.platforms import current_platform
 from vllm.v1.request import Request, StreamingUpdate
 
-from retention.policy import REQUEST_ARGS_KEY
-from retention.records import RETENTION_UNSUPPORTED, RetentionCounters
+from retention.policy import REQUEST_ARGS_KEY, SNAPSHOT_KEY
+from retention.records import RETENTION_UNSUPPORTED, RetentionCounters, SessionReport
 from retention.vllm_adapter import check_serving_support
 from retention.vllm_adapter.eviction import RetentionConfigError, SessionRetention
 from retention.vllm_adapter.kv_rotation import rotation_supported
@@ -122,6 +123,18 @@ class BoundedSessionScheduler(RetentionScheduler):
         problem = self.retention.after_fold(session)
         if problem is not None:
             self._end_session_for_length(session, problem)
+
+    def _session_report(self, request: Request) -> SessionReport:
+        report = super()._session_report(request)
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        if (
+            extra
+            and extra.get(SNAPSHOT_KEY)
+            and self.retention.is_retention_session(request.request_id)
+        ):
+            # Only sessions kept in a session store ask: it costs the window's token ids.
+            report = replace(report, snapshot=self.retention.snapshot(request))
+        return report
 
     def _retention_counters(self, request: Request) -> RetentionCounters | None:
         if not self.retention.is_retention_session(request.request_id):

@@ -93,8 +93,11 @@ from retention.policy import (
     CONSOLIDATION_MODES,
     CONTROL_KEY,
     REQUEST_ARGS_KEY,
+    RESTORE_KEY,
+    SEGMENT_KINDS,
     TEXT_KINDS,
     ConsolidationMode,
+    HistorySegment,
     RetentionBudget,
     SegmentKind,
     SessionHistory,
@@ -107,6 +110,7 @@ from retention.policy import (
     reprefill_piece,
     rotation_runs,
 )
+from retention.records import SessionSnapshot
 from retention.vllm_adapter.capabilities import skip_prefix_cache_reads
 from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, with_offset_reset
 from retention.vllm_adapter.kv_range import evict_token_range_for_request, is_hashed_block
@@ -170,6 +174,9 @@ class SessionRetentionState:
     consolidation: ConsolidationMode = "reprefill"
     rotations: int = 0
     rotation_fallbacks: int = 0
+    # A rebuilt session (issue #39): the history its first chunk (the snapshot's tokens) is
+    # recorded as at the first fold, instead of one chunk.
+    restore: SessionSnapshot | None = None
 
 
 def budget_of(sampling_params: Any) -> RetentionBudget | None:
@@ -196,6 +203,54 @@ def chunk_head(sampling_params: Any) -> int:
     extra = getattr(sampling_params, "extra_args", None) or {}
     head = extra.get(CHUNK_HEAD_KEY, 0)
     return head if isinstance(head, int) and not isinstance(head, bool) and head > 0 else 0
+
+
+def restore_of(sampling_params: Any) -> SessionSnapshot | None:
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    raw = extra.get(RESTORE_KEY)
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RetentionConfigError(f"{RESTORE_KEY} must be a mapping")
+    # The tokens are the chunk's prompt; the record carries only the history around them.
+    return SessionSnapshot.from_dict({**raw, "token_ids": []}, check=False)
+
+
+def restored_history(
+    snapshot: SessionSnapshot, budget: RetentionBudget, num_tokens: int
+) -> SessionHistory | None:
+    """The history of a session rebuilt from `snapshot` whose first chunk (its `num_tokens`
+    held tokens, prefilled at 0..n-1) just folded: the snapshot's segments, consolidated (as
+    a re-prefill leaves them). None if the segments do not tile those tokens."""
+    if sum(seg[2] for seg in snapshot.segments) != num_tokens or not snapshot.segments:
+        return None
+    segments: list[HistorySegment] = []
+    start = 0
+    for index, kind, n, pinned, remnant in snapshot.segments:
+        if kind not in SEGMENT_KINDS:
+            return None
+        segments.append(
+            HistorySegment(
+                index=index,
+                kind=kind,  # type: ignore[arg-type]  # checked against SEGMENT_KINDS just above
+                start=start,
+                end=start + n,
+                position_start=start,
+                pinned=pinned,
+                remnant=remnant,
+            )
+        )
+        start += n
+    return SessionHistory(
+        segments=tuple(segments),
+        next_index=snapshot.next_index,
+        position_cursor=num_tokens,
+        sink_chunks=budget.sink_chunks,
+        tokens_evicted_total=snapshot.tokens_evicted_total,
+        chunks_evicted_total=snapshot.chunks_evicted_total,
+        evictions_total=snapshot.evictions_total,
+        consolidations_total=snapshot.consolidations_total + 1,
+    )
 
 
 def _merge_freed(
@@ -287,6 +342,12 @@ class SessionRetention:
             pending_head=0,
             consolidation=self._mode_for(budget),
         )
+        restore = restore_of(request.sampling_params)
+        if restore is not None:
+            state = self.sessions[request.request_id]
+            state.restore = restore
+            # The rebuild is the re-prefill of a consolidation: same pieces, same sums.
+            state.reprefill_end = int(request.num_prompt_tokens)
         set_fold_control(request.sampling_params, FoldControl(fold=0, reset=True))
 
     def _mode_for(self, budget: RetentionBudget) -> ConsolidationMode:
@@ -316,7 +377,8 @@ class SessionRetention:
         computed = int(request.num_computed_tokens)
         new_tokens = computed - history.num_tokens
         if new_tokens > 0:
-            history = self._record(state, history, new_tokens)
+            history = self._record_or_restore(state, history, new_tokens)
+            state.restore = None
         control = is_consolidation_control(request.sampling_params)
         state.control_fold = control
         if not control:
@@ -409,6 +471,54 @@ class SessionRetention:
                 if block.ref_cnt != 1 or is_hashed_block(manager, block):
                     return False
         return True
+
+    def _record_or_restore(
+        self, state: SessionRetentionState, history: SessionHistory, new_tokens: int
+    ) -> SessionHistory:
+        """`_record`, or for a rebuilt session's first chunk the history it was rebuilt from."""
+        if state.restore is not None and history.num_tokens == 0:
+            restored = restored_history(state.restore, state.budget, new_tokens)
+            if restored is not None:
+                state.chunks = state.restore.chunks
+                return restored
+        return self._record(state, history, new_tokens)
+
+    def snapshot(self, request: Any) -> SessionSnapshot:
+        """What rebuilds this session (at a chunk boundary: the request is paused, and the
+        chunk just answered is not recorded yet; it is recorded here as the next fold will)."""
+        state = self.sessions[request.request_id]
+        held = int(request.num_computed_tokens)
+        history = state.history
+        if held > history.num_tokens:
+            probe = replace(state)  # `_record` counts chunks on the state it is given
+            history = self._record_or_restore(probe, history, held - history.num_tokens)
+            chunks = probe.chunks
+        else:
+            held, chunks = history.num_tokens, state.chunks
+        tokens = list(request._all_token_ids[:held])
+        # The next fold's eviction, applied here on paper (it plans over the recorded history
+        # alone): the snapshot is what a consolidation at the next fold would keep, so a rebuild
+        # equals this session consolidated, and its own first fold evicts nothing more.
+        for plan_round in eviction_rounds(state.budget):
+            plan = plan_round(history, state.budget, self.block_size, 0)
+            if plan.is_empty:
+                continue
+            for start, end in reversed(plan.ranges):
+                del tokens[start:end]
+            history = apply_eviction(history, plan.ranges, dropped=plan.dropped_segments)
+        return SessionSnapshot(
+            token_ids=tokens,
+            segments=[
+                (seg.index, seg.kind, seg.num_tokens, seg.pinned, seg.remnant)
+                for seg in history.segments
+            ],
+            next_index=history.next_index,
+            chunks=chunks,
+            tokens_evicted_total=history.tokens_evicted_total,
+            chunks_evicted_total=history.chunks_evicted_total,
+            evictions_total=history.evictions_total,
+            consolidations_total=history.consolidations_total,
+        )
 
     def _record(
         self, state: SessionRetentionState, history: SessionHistory, new_tokens: int

@@ -1,0 +1,215 @@
+"""The shared session store (issue #39): resumable sessions that outlive their replica.
+
+Theory of operation: a bounded session's state is small and bounded (its sinks and its window),
+so every replica writes what rebuilds each of its resumable sessions to one Redis, at every
+fold, and any replica can take a session over: it claims it in the store, re-prefills the
+retained tokens once (`EngineSession.restore`) and answers `session.resumed`.
+
+One Redis hash per session, `vrt:session:<id>`, expiring `grace_s` after its owner last
+refreshed it (the owner refreshes it while it holds the session, attached or parked; a dead
+owner stops, and the hash is gone one grace period later):
+
+* `owner`: SHA-256 of the API key that opened it; `token`: SHA-256 of the current resume token.
+  Neither secret is stored. A claim presents both digests; any mismatch, like a missing hash,
+  is the same `None` (the caller answers `session_not_found`).
+* `fence`: the fencing token, incremented by every claim. The owner writes, refreshes and
+  deletes only with the fence it holds (each a Lua script, atomic in Redis); a replica whose
+  session was claimed by another sees its fence refused and lets the session go, so a lost
+  lease never makes a second writer.
+* `lease`: the replica that holds the session (for the logs and the router).
+* `state`: the session's rebuild record (`StoredSession`: config, counters, the engine's
+  `SessionSnapshot`), JSON. Its size is bounded by the window: the retained token ids.
+
+A claim rotates the token digest in the same script, so a token works once (a replayed one is
+refused). Close and expiry delete the hash (fenced), and Redis' TTL removes what a dead replica
+left: nothing of a session outlives its grace period.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from protocol import SessionConfig
+from retention.records import SessionSnapshot
+
+log = logging.getLogger("vllm_realtime")
+
+_PREFIX = "vrt:session:"
+
+# KEYS[1] the session; ARGV: token digest, owner digest, new token digest, replica, ttl (ms).
+_CLAIM = """
+local h = redis.call('HMGET', KEYS[1], 'token', 'owner', 'state')
+if not h[1] or h[1] ~= ARGV[1] or h[2] ~= ARGV[2] then return false end
+local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
+redis.call('HSET', KEYS[1], 'token', ARGV[3], 'lease', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+return {fence, h[3]}
+"""
+
+# ARGV: fence, ttl (ms), then field/value pairs to set. 1: done; 0: the fence moved on.
+_FENCED_SET = """
+if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+_FENCED_DELETE = """
+if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+
+def digest(secret: str | None) -> str:
+    """What the store keeps of a secret (an API key, a resume token): its SHA-256."""
+    raw = b"\x00anonymous" if secret is None else secret.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredSession:
+    """What rebuilds one session on another replica (the `state` field of its hash)."""
+
+    config: SessionConfig
+    frames_total: int
+    """Chunks accepted and answered when this was written: the next frame_index."""
+    responses: dict[str, int]
+    """Finished replies by status (the state machine's counters)."""
+    turn_open: bool
+    """The last chunk was answered: the next chunk closes its assistant turn first."""
+    chunks: int
+    """Chunks the engine session ran (the first one carries the instructions)."""
+    snapshot: SessionSnapshot | None
+    """The engine's held tokens and history at the last fold (None before the first)."""
+
+    def to_json(self) -> str:
+        body: dict[str, Any] = {
+            "config": self.config.model_dump(mode="json", by_alias=True),
+            "frames_total": self.frames_total,
+            "responses": self.responses,
+            "turn_open": self.turn_open,
+            "chunks": self.chunks,
+            "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
+        }
+        return json.dumps(body, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> StoredSession:
+        body = json.loads(raw)
+        snap = body.get("snapshot")
+        return cls(
+            config=SessionConfig.model_validate(body["config"]),
+            frames_total=int(body["frames_total"]),
+            responses={str(k): int(v) for k, v in body["responses"].items()},
+            turn_open=bool(body["turn_open"]),
+            chunks=int(body["chunks"]),
+            snapshot=None if snap is None else SessionSnapshot.from_dict(snap),
+        )
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A successful claim: the fence this replica now holds, and the session's record."""
+
+    fence: int
+    stored: StoredSession
+
+
+class SessionStore:
+    """The Redis session store of one replica (`serve --session-store redis://HOST:PORT/DB`)."""
+
+    def __init__(self, client: Any, replica: str) -> None:
+        self.redis = client
+        self.replica = replica
+        self._claim = client.register_script(_CLAIM)
+        self._set = client.register_script(_FENCED_SET)
+        self._delete = client.register_script(_FENCED_DELETE)
+        self.bytes_written_last = 0
+
+    @classmethod
+    def connect(cls, url: str, replica: str) -> SessionStore:
+        """A store on `url` (redis://HOST:PORT/DB; the connection opens at first use)."""
+        import redis.asyncio as aioredis
+
+        if urlparse(url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"--session-store needs a redis:// URL, got {url.split('://')[0]!r}")
+        return cls(aioredis.Redis.from_url(url, decode_responses=True), replica)
+
+    async def ping(self) -> None:
+        await self.redis.ping()
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    @staticmethod
+    def key(session_id: str) -> str:
+        return _PREFIX + session_id
+
+    async def create(
+        self, session_id: str, owner: str | None, token: str, grace_s: float, state: StoredSession
+    ) -> int:
+        """Register a new resumable session held by this replica; its fence (1)."""
+        key = self.key(session_id)
+        mapping = {
+            "owner": digest(owner),
+            "token": digest(token),
+            "fence": 1,
+            "lease": self.replica,
+            "state": state.to_json(),
+        }
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            pipe.hset(key, mapping=mapping)
+            pipe.pexpire(key, _ms(grace_s))
+            await pipe.execute()
+        return 1
+
+    async def claim(
+        self, session_id: str, token: str, owner: str | None, new_token: str, grace_s: float
+    ) -> Claim | None:
+        """Take the session over if `token` and `owner` match (rotating the token to
+        `new_token`); None for every refusal alike."""
+        got = await self._claim(
+            keys=[self.key(session_id)],
+            args=[digest(token), digest(owner), digest(new_token), self.replica, _ms(grace_s)],
+        )
+        if not got:
+            return None
+        fence, raw = got
+        return Claim(int(fence), StoredSession.from_json(raw))
+
+    async def write(
+        self, session_id: str, fence: int, state: StoredSession, grace_s: float
+    ) -> bool:
+        """Write the session's record at a fold; False if another replica holds it now."""
+        raw = state.to_json()
+        self.bytes_written_last = len(raw.encode())
+        ok = await self._set(keys=[self.key(session_id)], args=[fence, _ms(grace_s), "state", raw])
+        return bool(ok)
+
+    async def refresh(self, session_id: str, fence: int, grace_s: float) -> bool:
+        """Keep a held session's hash for one more grace period; False if it is not ours."""
+        ok = await self._set(keys=[self.key(session_id)], args=[fence, _ms(grace_s)])
+        return bool(ok)
+
+    async def give_back(self, session_id: str, fence: int, token: str, grace_s: float) -> bool:
+        """Undo a claim this replica could not serve (no room): the presented token works
+        again, so the client can try another replica."""
+        ok = await self._set(
+            keys=[self.key(session_id)],
+            args=[fence, _ms(grace_s), "token", digest(token), "lease", ""],
+        )
+        return bool(ok)
+
+    async def delete(self, session_id: str, fence: int) -> bool:
+        """The session closed or expired here: remove it, unless another replica holds it."""
+        return bool(await self._delete(keys=[self.key(session_id)], args=[fence]))
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))

@@ -1,0 +1,292 @@
+"""Resume on any replica (issue #39): two real `vllm-realtime serve` replicas of SmolLM2-135M
+on loopback ports share one real redis-server.
+
+* Security: another API key, a replayed token, an expired session and a lost lease all get the
+  same `session_not_found`; the store keeps nothing of a session that closed or expired.
+* A resume racing a half-open old connection: the other replica claims the session and rebuilds
+  it; the old owner sees the fence move on and lets go (its old socket gets
+  `session_not_found`, and it writes nothing more).
+* The replica holding a session is SIGKILLed (its whole process group: server, EngineCore,
+  worker). The session resumes on the other, rebuilt with one re-prefill, and its first reply
+  equals token for token (greedy) the reply of the same session run on one replica; a fact told
+  before the kill is recalled after it.
+
+Oracle of the last point: the window (6 chunks) holds every chunk, so nothing was evicted and
+the session on one replica holds the same tokens at positions 0..n-1 that the rebuild
+re-prefills: it IS the session consolidated (a re-prefill recomputes exactly those). The
+engine-level oracle with evictions and a real consolidation is tests/retention/test_restore.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websockets
+
+from tests.scale_out.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLICA_ARGS = [
+    "--model",
+    "smollm2-135m-instruct",
+    "--kv-cache-memory-bytes",
+    str(96 << 20),
+    "--max-model-len",
+    "1024",
+    "--block-size",
+    "32",
+    "--dtype",
+    "float32",
+    "--max-num-seqs",
+    "8",
+    "--api-key",
+    "key-a",
+    "--api-key",
+    "key-b",
+    "--max-resume-grace",
+    "60",
+]
+OPEN = {
+    "type": "session.open",
+    "modality": "text",
+    "instructions": "You are a helpful assistant. Answer in one short sentence.",
+    "retention": {"sink_chunks": 1, "window_chunks": 6},
+    "limits": {"max_chunk_tokens": 48},
+    "sampling": {"max_tokens": 24, "temperature": 0.0},
+    "resumable": {"grace_s": 30},
+}
+FACT = "Remember this: my dog's name is Biscuit."
+FILLER = ["The weather is sunny today.", "I had pasta for lunch."]
+QUESTION = "What is my dog's name?"
+
+
+class Replica:
+    def __init__(self, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.port, self.proc, self.log = port, proc, log
+        self.url = f"ws://127.0.0.1:{port}/v1/realtime"
+
+    def kill(self) -> None:
+        """SIGKILL the whole replica: server, EngineCore and worker (its process group)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=60)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group is left
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+def start_replica(redis_url: str, logdir: Path, name: str) -> Replica:
+    port = free_port()
+    log = logdir / f"{name}.log"
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "realtime.cli", "serve", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*cmd, "--session-store", redis_url, *REPLICA_ARGS],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,  # its own process group: a kill takes the engine with it
+    )
+    return Replica(port, proc, log)
+
+
+def wait_healthy(replica: Replica, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if replica.proc.poll() is not None:
+            raise RuntimeError(f"replica exited: {replica.log.read_text()[-3000:]}")
+        health = f"http://127.0.0.1:{replica.port}/health"
+        with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=2):
+            return
+        time.sleep(1)
+    raise TimeoutError(replica.log.read_text()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
+    logdir = tmp_path_factory.mktemp("replicas")
+    reps = [start_replica(redis_url, logdir, name) for name in ("replica-a", "replica-b")]
+    try:
+        for r in reps:
+            wait_healthy(r)
+        yield reps
+    finally:
+        for r in reps:
+            r.stop()
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> Any:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+async def connect(replica: Replica, key: str = "key-a") -> Any:
+    ws = await websockets.connect(
+        replica.url,
+        subprotocols=["vllm-realtime"],  # type: ignore[list-item]
+        additional_headers={"Authorization": f"Bearer {key}"},
+        max_size=None,
+    )
+    created = json.loads(await ws.recv())
+    assert created["type"] == "session.created"
+    return ws
+
+
+async def recv_type(ws: Any, *types: str, timeout: float = 180) -> dict[str, Any]:
+    while True:
+        event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
+        if event["type"] in types:
+            return event
+
+
+async def open_session(replica: Replica, **extra: Any) -> tuple[Any, str, str]:
+    ws = await connect(replica)
+    await ws.send(json.dumps({**OPEN, **extra}))
+    opened = await recv_type(ws, "session.opened", "error")
+    assert opened["type"] == "session.opened", opened
+    return ws, opened["session_id"], opened["resume_token"]
+
+
+async def say(ws: Any, text: str) -> dict[str, Any]:
+    """One answered text turn; its response.done."""
+    await ws.send(json.dumps({"type": "frame.append", "text": text}))
+    done = await recv_type(ws, "response.done", "error")
+    assert done["type"] == "response.done" and done["status"] == "completed", done
+    return done
+
+
+async def resume(replica: Replica, session_id: str, token: str, key: str = "key-a") -> Any:
+    ws = await connect(replica, key)
+    await ws.send(
+        json.dumps({"type": "session.resume", "session_id": session_id, "resume_token": token})
+    )
+    return ws, await recv_type(ws, "session.resumed", "error")
+
+
+async def events_until_closed(ws: Any, timeout: float = 60) -> list[dict[str, Any]]:
+    seen: list[dict[str, Any]] = []
+    with contextlib.suppress(websockets.ConnectionClosed):
+        while True:
+            seen.append(json.loads(await asyncio.wait_for(ws.recv(), timeout)))
+    return seen
+
+
+async def close(ws: Any) -> None:
+    """Close the session (a dropped socket would park it, and keep it in the store)."""
+    await ws.send(json.dumps({"type": "session.close"}))
+    await recv_type(ws, "session.closed")
+    await ws.close()
+
+
+def not_found(event: dict[str, Any]) -> bool:
+    return event["type"] == "error" and event["error"]["code"] == "session_not_found"
+
+
+async def test_refusals_and_a_resume_racing_a_half_open_connection(
+    pair: list[Replica], redis_client: Any
+) -> None:
+    a, b = pair
+    old, sid, token = await open_session(a)
+    await say(old, FACT)
+    # Another API key, a wrong token: the same answer as an unknown id.
+    ws, event = await resume(b, sid, token, key="key-b")
+    assert not_found(event), event
+    await ws.close()
+    ws, event = await resume(b, sid, token + "x")
+    assert not_found(event), event
+    await ws.close()
+    # `old` still looks open to replica A (half-open): the resume on B takes the session.
+    new, resumed = await resume(b, sid, token)
+    assert resumed["type"] == "session.resumed", resumed
+    assert resumed["rebuilt"] is True and resumed["reprefilled_tokens"] > 0
+    assert resumed["next_frame_index"] == 1
+    # A lost its lease: the old socket gets session_not_found (at the latest when it sends a
+    # chunk; A's keeper usually sees the fence move within a second) and is closed.
+    with contextlib.suppress(websockets.ConnectionClosed):
+        await old.send(json.dumps({"type": "frame.append", "text": FILLER[0]}))
+    seen = await events_until_closed(old)
+    assert any(not_found(e) for e in seen), seen
+    assert not any(e["type"] == "response.done" and e["status"] == "completed" for e in seen)
+    # The replayed token is worthless; the session goes on on B.
+    ws, event = await resume(a, sid, token)
+    assert not_found(event), event
+    await ws.close()
+    done = await say(new, QUESTION)
+    assert done["frame_index"] == 1
+    # Closed: nothing of it stays in the store.
+    await close(new)
+    assert await redis_client.keys("vrt:session:*") == []
+
+
+async def test_an_expired_session_is_gone_everywhere(
+    pair: list[Replica], redis_client: Any
+) -> None:
+    a, b = pair
+    ws, sid, token = await open_session(a, resumable={"grace_s": 1.0})
+    await say(ws, FACT)
+    await ws.close()  # parked on A for 1 s, then expired there
+    await asyncio.sleep(2.5)
+    assert await redis_client.keys("vrt:session:*") == []
+    for replica in (a, b):
+        again, event = await resume(replica, sid, token)
+        assert not_found(event), event
+        await again.close()
+
+
+async def test_the_owner_is_killed_and_the_session_goes_on_elsewhere(
+    pair: list[Replica], redis_client: Any
+) -> None:
+    a, b = pair
+    # The same session on one replica, start to end: the reference reply.
+    ref, _, _ = await open_session(b)
+    for text in (FACT, *FILLER):
+        await say(ref, text)
+    reference = await say(ref, QUESTION)
+    await close(ref)
+    # The session on A; A dies (SIGKILL, no goodbye) with the client attached.
+    ws, sid, token = await open_session(a)
+    for text in (FACT, *FILLER):
+        await say(ws, text)
+    stored = await redis_client.hget(f"vrt:session:{sid}", "state")
+    print(f"bytes per fold: {len(stored.encode())}")
+    a.kill()
+    with contextlib.suppress(Exception):
+        await ws.close()
+    started = time.perf_counter()
+    new, resumed = await resume(b, sid, token)
+    took = time.perf_counter() - started
+    assert resumed["type"] == "session.resumed", resumed
+    assert resumed["rebuilt"] is True and resumed["next_frame_index"] == 3
+    print(f"resume with rebuild: {took:.3f} s, {resumed['reprefilled_tokens']} tokens")
+    after = await say(new, QUESTION)
+    assert after["text"] == reference["text"]  # greedy: the same tokens
+    assert after["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+    assert "Biscuit" in after["text"], after["text"]
+    await close(new)
+    assert await redis_client.keys("vrt:session:*") == []

@@ -1,0 +1,95 @@
+"""The session store against a real redis-server (no engine): claims, fencing, expiry, and
+that every refusal is the same `None` (the server's `session_not_found`)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from protocol import SessionConfig
+from realtime.session_store import SessionStore, StoredSession
+from retention.records import SessionSnapshot
+
+GRACE = 30.0
+
+
+def stored(frames: int = 2) -> StoredSession:
+    snap = SessionSnapshot(
+        token_ids=[1, 2, 3, 4, 5],
+        segments=[(0, "chunk", 3, True, False), (1, "chunk", 2, False, False)],
+        next_index=2,
+        chunks=2,
+    )
+    return StoredSession(SessionConfig(modality="text"), frames, {"completed": 2}, True, 2, snap)
+
+
+@pytest.fixture
+async def stores(redis_url: str) -> AsyncIterator[tuple[SessionStore, SessionStore]]:
+    a = SessionStore.connect(redis_url, "replica-a")
+    b = SessionStore.connect(redis_url, "replica-b")
+    await a.redis.flushdb()
+    yield a, b
+    await a.close()
+    await b.close()
+
+
+async def test_record_round_trips(stores: tuple[SessionStore, SessionStore]) -> None:
+    a, b = stores
+    await a.create("s1", "key-a", "tok-1", GRACE, stored())
+    claim = await b.claim("s1", "tok-1", "key-a", "tok-2", GRACE)
+    assert claim is not None and claim.fence == 2  # created with 1; each claim adds one
+    assert claim.stored == stored()
+    # Neither the API key nor the token is in the store, only their digests.
+    values = await a.redis.hgetall(a.key("s1"))
+    assert "key-a" not in values.values() and "tok-2" not in values.values()
+
+
+async def test_refusals_are_all_alike(stores: tuple[SessionStore, SessionStore]) -> None:
+    a, b = stores
+    await a.create("s1", "key-a", "tok-1", GRACE, stored())
+    assert await b.claim("s1", "tok-1", "key-b", "x", GRACE) is None  # another API key
+    assert await b.claim("s1", "wrong", "key-a", "x", GRACE) is None  # wrong token
+    assert await b.claim("nope", "tok-1", "key-a", "x", GRACE) is None  # unknown id
+    assert await b.claim("s1", "tok-1", None, "x", GRACE) is None  # no key at all
+    assert await b.claim("s1", "tok-1", "key-a", "tok-2", GRACE) is not None
+    # The token worked once: replaying it is refused, the rotated one works.
+    assert await a.claim("s1", "tok-1", "key-a", "tok-3", GRACE) is None
+    assert await a.claim("s1", "tok-2", "key-a", "tok-3", GRACE) is not None
+
+
+async def test_a_lost_lease_writes_nothing(stores: tuple[SessionStore, SessionStore]) -> None:
+    a, b = stores
+    fence_a = await a.create("s1", "key-a", "tok-1", GRACE, stored(2))
+    claim = await b.claim("s1", "tok-1", "key-a", "tok-2", GRACE)
+    assert claim is not None
+    # The old owner still thinks it holds the session: every fenced call is refused.
+    assert not await a.write("s1", fence_a, stored(9), GRACE)
+    assert not await a.refresh("s1", fence_a, GRACE)
+    assert not await a.delete("s1", fence_a)
+    assert await b.write("s1", claim.fence, stored(3), GRACE)
+    again = await b.claim("s1", "tok-2", "key-a", "tok-3", GRACE)
+    assert again is not None and again.stored.frames_total == 3  # the new owner's write only
+
+
+async def test_close_and_expiry_leave_nothing(stores: tuple[SessionStore, SessionStore]) -> None:
+    a, _ = stores
+    fence = await a.create("s1", "key-a", "tok-1", GRACE, stored())
+    assert await a.delete("s1", fence)
+    await a.create("s2", "key-a", "tok-1", 0.3, stored())
+    assert await a.redis.exists(a.key("s2"))
+    await asyncio.sleep(0.5)
+    assert await a.redis.keys("*") == []  # the grace period removed s2; s1 was deleted
+    assert await a.claim("s2", "tok-1", "key-a", "x", GRACE) is None
+
+
+async def test_give_back_restores_the_presented_token(
+    stores: tuple[SessionStore, SessionStore],
+) -> None:
+    a, b = stores
+    await a.create("s1", "key-a", "tok-1", GRACE, stored())
+    claim = await b.claim("s1", "tok-1", "key-a", "tok-2", GRACE)
+    assert claim is not None
+    assert await b.give_back("s1", claim.fence, "tok-1", GRACE)
+    assert await a.claim("s1", "tok-1", "key-a", "tok-3", GRACE) is not None
