@@ -119,14 +119,11 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from realtime.compute import DEFAULT_HEADROOM
+def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
+    """The model and the engine: what vLLM is started with."""
     from realtime.engine import CPU_DEFAULT_MAX_MODEL_LEN, CPU_KV_SHARE
     from realtime.models import DEFAULT_SERVE_MODEL
 
-    parser = argparse.ArgumentParser(prog="vllm-realtime", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the realtime server (unknown --flags go to vLLM)")
     serve.add_argument(
         "--model", default=DEFAULT_SERVE_MODEL, help="default model name, local path or hub id"
     )
@@ -154,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         "NUMA node)",
     )
     serve.add_argument("--max-num-seqs", type=int, default=32)
+
+
+def _add_session_flags(serve: argparse.ArgumentParser) -> None:
+    """How many sessions, how big their input, how fast they may send."""
     serve.add_argument("--max-sessions", type=int, default=32)
     serve.add_argument("--idle-timeout", type=float, default=300.0, help="seconds without a frame")
     serve.add_argument("--max-frame-bytes", type=int, default=4 << 20)
@@ -167,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         help="per-connection frame.append rate (0: no limit); over it: rate_limited",
     )
     serve.add_argument("--frame-burst", type=int, default=200, help="frames allowed at once")
+
+
+def _add_retention_flags(serve: argparse.ArgumentParser) -> None:
+    """Bounded sessions: consolidation, and the sizes admission reserves from."""
     serve.add_argument(
         "--retention-max-position",
         type=_positive_int,
@@ -198,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="refuse a client's retention budget whose worst case does not fit the model",
     )
+
+
+def _add_operation_flags(serve: argparse.ArgumentParser) -> None:
+    """Drain, resume, admission by compute, the shared session store."""
+    from realtime.compute import DEFAULT_HEADROOM
+
     serve.add_argument(
         "--drain-timeout",
         type=_non_negative_float,
@@ -230,6 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         help="keep resumable sessions in this Redis, so any replica can resume them "
         "(docs/scale-out.md); default: in this process only",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-realtime", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the realtime server (unknown --flags go to vLLM)")
+    for add_flags in (
+        _add_engine_flags,
+        _add_session_flags,
+        _add_retention_flags,
+        _add_operation_flags,
+    ):
+        add_flags(serve)
     models = sub.add_parser("models", help="list or build the embedded default models")
     models.add_argument("action", choices=["list", "build"])
     models.add_argument("names", nargs="*")

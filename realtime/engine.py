@@ -199,15 +199,10 @@ class EngineSettings:
         return replace(self, **kwargs)
 
 
-def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None = None) -> Any:
-    """vLLM's AsyncEngineArgs for `settings` on `platform` (detected when None). Logs what it
-    decided for the platform: the model runner is chosen separately (select_model_runner)."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    if platform is None:
-        platform = EnginePlatform.detect()
-    extra = dict(settings.extra)
-    # Guards: fail fast on what the session layer cannot serve.
+def _refuse_unservable(
+    settings: EngineSettings, extra: dict[str, Any], platform: EnginePlatform
+) -> None:
+    """Fail fast on what the session layer cannot serve (pops `api_server_count`)."""
     if int(extra.get("pipeline_parallel_size", 1) or 1) != 1:
         raise EngineConfigError("pipeline parallelism is not supported for streaming sessions")
     if int(extra.pop("api_server_count", 1) or 1) != 1:
@@ -229,6 +224,45 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
         raise EngineConfigError(
             "the CPU attention backend needs a block size that is a multiple of 32"
         )
+
+
+def _kv_pool(
+    settings: EngineSettings, extra: dict[str, Any], platform: EnginePlatform
+) -> tuple[int | None, str]:
+    """The KV pool's size in bytes (None: vLLM sizes it) and how it was decided, for the log."""
+    kv_bytes = settings.kv_cache_memory_bytes
+    if kv_bytes is not None:
+        kv_note = f"{kv_bytes / (1 << 20):.0f} MiB (--kv-cache-memory-bytes)"
+    elif platform.cuda or "gpu_memory_utilization" in extra:
+        # vLLM's own sizing; on CPU an operator's --gpu-memory-utilization is a share of the
+        # node's total memory (vLLM's CPU semantics), kept as given.
+        kv_note = "sized by vLLM from --gpu-memory-utilization " + (
+            f"({extra['gpu_memory_utilization']})"
+            if "gpu_memory_utilization" in extra
+            else "(vLLM's default)"
+        )
+    else:
+        available = platform.available_memory
+        if available is None:
+            available = _cpu_node_available_bytes()
+        kv_bytes = default_cpu_kv_bytes(available)
+        kv_note = (
+            f"{kv_bytes / (1 << 20):.0f} MiB = {CPU_KV_SHARE:.0%} of the "
+            f"{available / (1 << 30):.2f} GiB available to the CPU worker "
+            "(--kv-cache-memory-bytes sets it)"
+        )
+    return kv_bytes, kv_note
+
+
+def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None = None) -> Any:
+    """vLLM's AsyncEngineArgs for `settings` on `platform` (detected when None). Logs what it
+    decided for the platform: the model runner is chosen separately (select_model_runner)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    if platform is None:
+        platform = EnginePlatform.detect()
+    extra = dict(settings.extra)
+    _refuse_unservable(settings, extra, platform)
     max_model_len = settings.max_model_len
     if max_model_len is None and not platform.cuda:
         max_model_len = CPU_DEFAULT_MAX_MODEL_LEN
@@ -254,27 +288,7 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     context = f"{max_model_len} tokens" if max_model_len is not None else "the model's own (vLLM's)"
-    kv_bytes = settings.kv_cache_memory_bytes
-    if kv_bytes is not None:
-        kv_note = f"{kv_bytes / (1 << 20):.0f} MiB (--kv-cache-memory-bytes)"
-    elif platform.cuda or "gpu_memory_utilization" in extra:
-        # vLLM's own sizing; on CPU an operator's --gpu-memory-utilization is a share of the
-        # node's total memory (vLLM's CPU semantics), kept as given.
-        kv_note = "sized by vLLM from --gpu-memory-utilization " + (
-            f"({extra['gpu_memory_utilization']})"
-            if "gpu_memory_utilization" in extra
-            else "(vLLM's default)"
-        )
-    else:
-        available = platform.available_memory
-        if available is None:
-            available = _cpu_node_available_bytes()
-        kv_bytes = default_cpu_kv_bytes(available)
-        kv_note = (
-            f"{kv_bytes / (1 << 20):.0f} MiB = {CPU_KV_SHARE:.0%} of the "
-            f"{available / (1 << 30):.2f} GiB available to the CPU worker "
-            "(--kv-cache-memory-bytes sets it)"
-        )
+    kv_bytes, kv_note = _kv_pool(settings, extra, platform)
     if kv_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = kv_bytes
     if settings.block_size is not None:

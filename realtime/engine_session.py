@@ -122,6 +122,15 @@ class KvPool:
     kv_cache_groups: int
 
 
+def served_model_family(engine: Any) -> tuple[str, str]:
+    """The engine's model family and its position scheme, if the engine hooks cover it; else
+    ``UncoveredModelFamily`` naming the family and why (retention/vllm_adapter/model_families)."""
+    from retention.vllm_adapter.model_families import check_model_family
+
+    family = check_model_family(engine.model_config)
+    return family.family, family.positions
+
+
 async def kv_pool(engine: Any) -> KvPool:
     from retention.vllm_adapter.introspect import kv_stats
 

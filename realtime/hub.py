@@ -58,6 +58,7 @@ from realtime.engine_session import (
     chat_format_of,
     kv_pool,
     render_chunk,
+    served_model_family,
 )
 from realtime.media import MAX_CLIP_FRAMES
 from realtime.metrics import Metrics
@@ -201,12 +202,10 @@ class SessionHub:
         )
 
     async def start(self) -> None:
-        from retention.vllm_adapter.model_families import check_model_family
-
         # A family the engine hooks are not proven on is refused here, by name, with the
         # reason (retention/vllm_adapter/model_families.py), before anything is served.
-        family = check_model_family(self.engine.model_config)
-        log.info("model family: %s (%s positions)", family.family, family.positions)
+        family, positions = served_model_family(self.engine)
+        log.info("model family: %s (%s positions)", family, positions)
         if self.config.session_store is not None and self.store is None:
             replica = f"{socket.gethostname()}:{self.config.port}:{secrets.token_hex(4)}"
             self.store = SessionStore.connect(self.config.session_store, replica)

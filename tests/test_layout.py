@@ -34,7 +34,6 @@ VLLM_KNOWN = {
 # is a sequence of steps waiting to be named (#38: after_fold and cli.main to <= 60 lines).
 LONG_KNOWN = {
     "retention/vllm_adapter/eviction.py:SessionRetention.after_fold": 93,
-    "realtime/cli.py:main": 87,
     "realtime/http_api.py:http_router": 85,
     "realtime/models/smollm2.py:build_smollm2": 87,
 }
