@@ -238,7 +238,32 @@ class MediaBounds:
         return max(self.image_tokens, self.clip_tokens(max_clip_frames))
 
 
+def split_image_tokens(processor_config: dict[str, Any]) -> int | None:
+    """Most tokens one image can become with an Idefics3/SmolVLM processor, splitting tokens
+    included: the longest edge is resized to `size`, then cut into tiles of `max_image_size`
+    (at most ceil(size / tile) per side), each `<fake_token_around_image><row_r_col_c>` and
+    `image_seq_len` `<image>` tokens, a newline after each row, a newline, and the global image
+    `<fake_token_around_image><global-img>`, `image_seq_len` `<image>`,
+    `<fake_token_around_image>`. None: not such a config."""
+    image = processor_config.get("image_processor", processor_config)
+    seq_len = processor_config.get("image_seq_len")
+    tile = (image.get("max_image_size") or {}).get("longest_edge")
+    if not seq_len or not tile:
+        return None
+    longest = (image.get("size") or {}).get("longest_edge") or tile
+    per_side = math.ceil(int(longest) / int(tile)) if image.get("do_image_splitting") else 0
+    if per_side <= 1:  # one tile or no splitting: the global image alone
+        return int(seq_len) + 3
+    tiles = per_side * per_side
+    return tiles * (int(seq_len) + 2) + per_side + 1 + int(seq_len) + 3
+
+
 def media_bounds(processor_config: dict[str, Any]) -> MediaBounds | None:
+    split = split_image_tokens(processor_config)
+    if split is not None:
+        # vLLM 0.32 serves Idefics3/SmolVLM with images only: no clip reaches the engine (the
+        # server refuses clips where the chat template writes no video placeholder).
+        return MediaBounds(image_tokens=split, clip_frame_tokens=0)
     image = max_image_tokens(processor_config)
     video = processor_config.get("video_processor", processor_config)
     per_step = max_image_tokens({"image_processor": video})

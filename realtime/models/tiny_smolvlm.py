@@ -11,7 +11,7 @@ resizes the longest edge to 64 pixels and cuts tiles of 32 (`size`, `max_image_s
 frame is at most 2 × 2 tiles plus the global image. A square frame (the tests' 112 × 112) is
 always exactly: 4 tiles `<fake_token_around_image><row_r_col_c><image>×4` with a newline after
 each row, a newline, then `<fake_token_around_image><global-img><image>×4<fake_token_around_image>`
-= 20 `<image>` tokens, 31 tokens in all. A frame that fits one tile is the global image alone.
+= 20 `<image>` tokens, 34 tokens in all. A frame that fits one tile is the global image alone.
 
 The chat template follows SmolVLM's (`User:` / `Assistant:` turns closed by
 `<end_of_utterance>`, `<image>` where an image goes), except that every turn opens with

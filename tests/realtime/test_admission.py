@@ -377,6 +377,36 @@ def test_chunks_over_their_caps_or_the_context_are_refused() -> None:
         check(unbounded, 128, held=2048 - 128 - 64 - 64 + 1)
 
 
+def test_frame_tokens_of_a_splitting_processor() -> None:
+    """SmolVLM/Idefics3: tiles with their row/column tokens, newlines and the global image."""
+    from realtime.admission import split_image_tokens
+
+    tiny = {
+        "image_processor": {
+            "do_image_splitting": True,
+            "size": {"longest_edge": 64},
+            "max_image_size": {"longest_edge": 32},
+        },
+        "image_seq_len": 4,
+    }
+    # tiny-smolvlm: 4 tiles x (fake + row + 4) + 2 row newlines + 1 + fake, global, 4, fake.
+    assert split_image_tokens(tiny) == 34
+    assert media_bounds(tiny) == MediaBounds(34, 0)  # no clips: vLLM serves SmolVLM images only
+    unsplit = {"image_processor": {**tiny["image_processor"], "do_image_splitting": False}}
+    assert split_image_tokens({**unsplit, "image_seq_len": 4}) == 7  # the global image alone
+    # SmolVLM-256M's own sizes: 4 x 4 tiles of 512 px, 64 tokens each.
+    real = {
+        "image_processor": {
+            "do_image_splitting": True,
+            "size": {"longest_edge": 2048},
+            "max_image_size": {"longest_edge": 512},
+        },
+        "image_seq_len": 64,
+    }
+    assert split_image_tokens(real) == 16 * 66 + 4 + 1 + 67
+    assert split_image_tokens({"image_processor": {"patch_size": 14}}) is None
+
+
 def test_media_bounds_default_when_the_processor_says_nothing() -> None:
     assert media_bounds_or_default({}) == DEFAULT_MEDIA_BOUNDS
     # preprocessor_config.json is flat: one set of sizes for images and clips.

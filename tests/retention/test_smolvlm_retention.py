@@ -288,10 +288,15 @@ async def test_frame_is_the_processors_tokens(smolvlm_engine: Any, processor: An
     try:
         await session.send(*make_chunk(processor, 0, 0)[:1])
         await session.send(frame_prompt(1), chunk.multi_modal_data)
+        prompt, nxt = make_chunk(processor, 2, seed=0)
+        await session.send(prompt, nxt.multi_modal_data)  # frame 1 becomes history
         state = await retention_state(smolvlm_engine, session.request_id)
         assert state is not None
         system = make_chunk(processor, 0, 0)[1].token_ids
-        assert state["token_ids"][: len(system)] == system
+        held = state["token_ids"]
+        assert held[: len(system)] == system
+        start = state["segment_chunks"][1][2]  # frame 1's segment: its tokens, then its reply
+        assert held[start : start + len(ids)] == ids
     finally:
         await session.close()
 
@@ -467,6 +472,8 @@ async def test_preempted_session_resumes_as_a_fresh_prefill(
         probes.append((state["token_ids"][:first_item], None))
         cached = [await probe_matches_cold(engine, t, m) for t, m in probes if t]
         print("smolvlm probe cached tokens:", cached)
+        # The resume published its recomputed blocks (rebuilt chain): the second probe hits.
+        assert len(cached) == 2 and cached[1] >= 32, cached
     finally:
         await session.close()
     for t, m in probes:
