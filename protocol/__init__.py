@@ -97,6 +97,8 @@ from protocol.events import (
     SessionOpenEvent,
     SessionResumedEvent,
     SessionResumeEvent,
+    SessionUpdatedEvent,
+    SessionUpdateEvent,
     TextFormat,
     Timing,
     Usage,
@@ -116,6 +118,7 @@ from protocol.state import (
     SessionProtocol,
     State,
     SubmitFrame,
+    UpdateSession,
 )
 
 __all__ = [
@@ -198,6 +201,8 @@ __all__ = [
     "SessionProtocol",
     "SessionResumeEvent",
     "SessionResumedEvent",
+    "SessionUpdateEvent",
+    "SessionUpdatedEvent",
     "State",
     "SubmitFrame",
     "TextFormat",
@@ -205,6 +210,7 @@ __all__ = [
     "Unauthorized",
     "UndecodableFrame",
     "UnknownEventType",
+    "UpdateSession",
     "Usage",
     "api_key_from_handshake",
     "bearer_token",

@@ -42,6 +42,7 @@ from protocol.events import (
     SERVER_EVENT_TYPES,
     ClientEvent,
     ServerEvent,
+    SessionUpdateEvent,
 )
 
 __all__ = [
@@ -155,7 +156,11 @@ def parse_server_event(data: str | bytes) -> ServerEvent:
 
 
 def encode_client_event(event: ClientEvent) -> str:
-    """Serialize a client event to its JSON text message (every field present, nulls kept)."""
+    """Serialize a client event to its JSON text message (every field present, nulls kept;
+    a ``session.update`` carries only the fields it sets: the absent ones stay unchanged)."""
+    if isinstance(event, SessionUpdateEvent):
+        fields = event.model_dump(mode="json", exclude_unset=True)
+        return json.dumps({"type": event.type, **fields}, separators=(",", ":"))
     return event.model_dump_json(exclude_none=False)
 
 

@@ -450,12 +450,47 @@ class SessionCloseEvent(_ClientEventBase):
     type: Literal["session.close"] = Field(default="session.close", description="Event type.")
 
 
+FIXED_SETTINGS: tuple[str, ...] = ("instructions", "modality", "retention", "resumable", "limits")
+"""Settings ``session.update`` refuses to change: they live in the KV cache (instructions,
+retention), the admission reservation (limits, retention) or the session's kind."""
+
+
+class SessionUpdateEvent(_ClientEventBase):
+    """``session.update``: change settings of the open session from its next chunk on.
+
+    ``sampling`` is merged field by field into the session's (only the fields sent change);
+    ``frame_format`` replaces it. The reply in flight, if any, keeps the settings it started
+    with. The settings in :data:`FIXED_SETTINGS` cannot change (``invalid_request`` naming the
+    field): open a new session for those."""
+
+    type: Literal["session.update"] = Field(default="session.update", description="Event type.")
+    sampling: SamplingConfig | None = Field(
+        default=None,
+        description="Sampling fields to change (the others keep their value); null: unchanged.",
+    )
+    frame_format: FrameFormat | None = Field(
+        default=None, description="Required image format of frames from now on; null: unchanged."
+    )
+    instructions: str | None = Field(
+        default=None, description="Refused if set: the instructions live in the KV cache."
+    )
+    modality: Modality | None = Field(default=None, description="Refused if set.")
+    retention: RetentionConfig | None = Field(
+        default=None, description="Refused if set: the window's budget is reserved at open."
+    )
+    resumable: ResumableConfig | None = Field(default=None, description="Refused if set.")
+    limits: ChunkLimits | None = Field(
+        default=None, description="Refused if set: admission reserved the session for them."
+    )
+
+
 ClientEvent: TypeAlias = Annotated[
     SessionOpenEvent
     | FrameAppendEvent
     | ResponseCancelEvent
     | SessionCloseEvent
-    | SessionResumeEvent,
+    | SessionResumeEvent
+    | SessionUpdateEvent,
     Field(discriminator="type"),
 ]
 """Any event a client may send, discriminated on ``type``."""
@@ -596,6 +631,14 @@ class SessionOpenedEvent(_ServerEventBase):
     )
 
 
+class SessionUpdatedEvent(_ServerEventBase):
+    """``session.updated``: answer to session.update; the settings every later chunk uses."""
+
+    type: Literal["session.updated"] = Field(default="session.updated", description="Event type.")
+    session_id: str = Field(description="Id of this connection's session.")
+    config: SessionConfig = Field(description="Effective settings after the update.")
+
+
 class InputAckEvent(_ServerEventBase):
     """``input.ack``: a frame.append was accepted; a response.done for it will follow."""
 
@@ -713,6 +756,7 @@ ServerEvent: TypeAlias = Annotated[
     | SessionClosedEvent
     | SessionResumedEvent
     | ServerDrainingEvent
+    | SessionUpdatedEvent
     | ErrorEvent,
     Field(discriminator="type"),
 ]
@@ -761,6 +805,7 @@ CLIENT_EVENT_TYPES: dict[
         | ResponseCancelEvent
         | SessionCloseEvent
         | SessionResumeEvent
+        | SessionUpdateEvent
     ],
 ] = {
     "session.open": SessionOpenEvent,
@@ -768,6 +813,7 @@ CLIENT_EVENT_TYPES: dict[
     "response.cancel": ResponseCancelEvent,
     "session.close": SessionCloseEvent,
     "session.resume": SessionResumeEvent,
+    "session.update": SessionUpdateEvent,
 }
 """Client event models by their ``type``."""
 
@@ -781,6 +827,7 @@ SERVER_EVENT_TYPES: dict[str, type[_ServerEventBase]] = {
     "session.closed": SessionClosedEvent,
     "session.resumed": SessionResumedEvent,
     "server.draining": ServerDrainingEvent,
+    "session.updated": SessionUpdatedEvent,
     "error": ErrorEvent,
 }
 """Server event models by their ``type``."""

@@ -53,6 +53,9 @@ State diagram::
           ── session.close | engine_error | disconnect | idle_timeout | server_shutdown | error ──►
       CLOSED   (a reply in flight at the close drains: one response_done is still allowed)
 
+      IDLE | AWAITING_BINARY | AWAITING_RESPONSE ── session.update ──► the same state
+          (settings of the next chunks; a reply in flight keeps its own)
+
     Resumable sessions (session.open with resumable), on the server's inputs:
 
       IDLE | AWAITING_BINARY ── detach ──► PARKED ── resumed ──► IDLE
@@ -84,6 +87,7 @@ from protocol.errors import (
     FrameTooLarge,
     InternalError,
     InvalidEvent,
+    InvalidRequestError,
     NoResponseInFlight,
     RealtimeError,
     SessionAlreadyOpen,
@@ -93,6 +97,7 @@ from protocol.errors import (
     truncate,
 )
 from protocol.events import (
+    FIXED_SETTINGS,
     ClientEvent,
     CloseReason,
     FrameAppendEvent,
@@ -111,6 +116,8 @@ from protocol.events import (
     SessionOpenEvent,
     SessionResumedEvent,
     SessionResumeEvent,
+    SessionUpdatedEvent,
+    SessionUpdateEvent,
     Timing,
     Usage,
     new_session_id,
@@ -166,6 +173,7 @@ class Input(enum.Enum):
     RESPONSE_CANCEL = "response.cancel"
     SESSION_CLOSE = "session.close"
     SESSION_RESUME = "session.resume"
+    SESSION_UPDATE = "session.update"
     OPEN_REFUSED = "open_refused"
     """Server: admission refused the session just opened (e.g. capacity)."""
     RESPONSE_DONE = "response_done"
@@ -199,6 +207,7 @@ _NOT_WHILE_PARKED = (
     In.RESPONSE_CANCEL,
     In.SESSION_CLOSE,
     In.SESSION_RESUME,
+    In.SESSION_UPDATE,
     In.OPEN_REFUSED,
     In.DISCONNECT,
     In.IDLE_TIMEOUT,
@@ -235,6 +244,10 @@ TRANSITIONS: dict[tuple[State, Input], State] = {
     (S.PARKED, In.EXPIRE): S.CLOSED,
     (S.PARKED_AWAITING_RESPONSE, In.EXPIRE): S.CLOSED,
     (S.CLOSED, In.EXPIRE): S.CLOSED,  # like every server close: a no-op once closed
+    # Settings from the next chunk on; a reply in flight keeps its own.
+    (S.IDLE, In.SESSION_UPDATE): S.IDLE,
+    (S.AWAITING_BINARY, In.SESSION_UPDATE): S.AWAITING_BINARY,
+    (S.AWAITING_RESPONSE, In.SESSION_UPDATE): S.AWAITING_RESPONSE,
 }
 """Allowed (state, input) pairs and the state each leads to."""
 
@@ -272,6 +285,8 @@ REFUSALS: dict[tuple[State, Input], type[RealtimeError]] = {
     (S.AWAITING_BINARY, In.SESSION_RESUME): SessionAlreadyOpen,
     (S.AWAITING_RESPONSE, In.SESSION_RESUME): SessionAlreadyOpen,
     (S.CLOSED, In.SESSION_RESUME): SessionClosed,
+    (S.CONNECTED, In.SESSION_UPDATE): SessionNotOpen,
+    (S.CLOSED, In.SESSION_UPDATE): SessionClosed,
     **{(S.CONNECTED, inp): InternalError for inp in (In.DETACH, In.RESUMED, In.EXPIRE)},
     (S.CLOSED, In.DETACH): InternalError,
     (S.CLOSED, In.RESUMED): InternalError,
@@ -388,8 +403,25 @@ class ResumeSession:
     event_id: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class UpdateSession:
+    """Apply ``config`` to the engine session's later chunks, then send ``event``
+    (session.updated). If the server refuses it, call :meth:`SessionProtocol.update_refused`
+    with ``previous`` and send the error instead."""
+
+    config: SessionConfig
+    previous: SessionConfig
+    event: SessionUpdatedEvent
+
+
 Action: TypeAlias = (
-    OpenSession | AwaitBinary | SubmitFrame | CancelResponse | CloseSession | ResumeSession
+    OpenSession
+    | AwaitBinary
+    | SubmitFrame
+    | CancelResponse
+    | CloseSession
+    | ResumeSession
+    | UpdateSession
 )
 """What the server must do after an input."""
 
@@ -409,6 +441,8 @@ def classify(event: ClientEvent) -> Input:
         return Input.SESSION_CLOSE
     if isinstance(event, SessionResumeEvent):
         return Input.SESSION_RESUME
+    if isinstance(event, SessionUpdateEvent):
+        return Input.SESSION_UPDATE
     raise InternalError(f"not a client event: {type(event).__name__}")  # pragma: no cover
 
 
@@ -512,7 +546,14 @@ class SessionProtocol:
         if isinstance(event, SessionResumeEvent):
             self._state = nxt
             return ResumeSession(event.session_id, event.resume_token, event.event_id)
+        if isinstance(event, SessionUpdateEvent):
+            return self._update(event, nxt)
         return self._close("client_closed", nxt)
+
+    def update_refused(self, previous: SessionConfig) -> None:
+        """The server could not apply a session.update (e.g. a response_format it refuses):
+        the settings go back to ``previous``."""
+        self.config = previous
 
     def receive_binary(self, data: bytes) -> SubmitFrame:
         """Apply a binary WebSocket message: the payload of the pending ``binary: true`` frame."""
@@ -637,6 +678,32 @@ class SessionProtocol:
         self._state = nxt
         opened = SessionOpenedEvent(session_id=self.session_id, config=config, limits=self.limits)
         return OpenSession(config=config, event=opened)
+
+    def _update(self, event: SessionUpdateEvent, nxt: State) -> UpdateSession:
+        assert self.config is not None
+        for name in FIXED_SETTINGS:
+            if name in event.model_fields_set and getattr(event, name) is not None:
+                raise InvalidRequestError(
+                    f"session.update cannot change {name}: it is fixed for the session's "
+                    "life (the KV cache or the admission reservation holds it); open a new "
+                    "session instead",
+                    event_id=event.event_id,
+                    param=name,
+                )
+        previous = self.config
+        update: dict[str, object] = {}
+        if event.sampling is not None:
+            changes = {k: getattr(event.sampling, k) for k in event.sampling.model_fields_set}
+            if "max_tokens" in changes:
+                changes["max_tokens"] = min(event.sampling.max_tokens, self.limits.max_tokens_cap)
+            update["sampling"] = previous.sampling.model_copy(update=changes)
+        if event.frame_format is not None:
+            update["frame_format"] = event.frame_format
+        config = previous.model_copy(update=update)
+        self.config = config
+        self._state = nxt
+        updated = SessionUpdatedEvent(session_id=self.session_id, config=config)
+        return UpdateSession(config=config, previous=previous, event=updated)
 
     def _append(self, event: FrameAppendEvent, nxt: State) -> AwaitBinary | SubmitFrame:
         assert self.config is not None

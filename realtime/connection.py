@@ -40,6 +40,7 @@ from protocol import (
     SessionProtocol,
     State,
     SubmitFrame,
+    UpdateSession,
     encode_server_event,
     error_event,
     parse_client_event,
@@ -374,6 +375,19 @@ class Connection:
             await self.finish(action)
         elif isinstance(action, ResumeSession):
             await self._resume(action)
+        elif isinstance(action, UpdateSession):
+            await self._update(action, event_id)
+
+    async def _update(self, action: UpdateSession, event_id: str | None) -> None:
+        assert self.record is not None
+        try:
+            self.hub.update_session(self.record, action.config)
+        except RealtimeError as exc:
+            exc.event_id = exc.event_id or event_id
+            self.proto.update_refused(action.previous)
+            await self.send_error(exc)
+            return
+        await self.send(action.event)
 
     async def _resume(self, action: ResumeSession) -> None:
         """session.resume on this fresh connection: hand the socket to the session's holder."""

@@ -261,6 +261,22 @@ def _engine_failure(
     return EngineError(f"the engine ended this session ({why})")
 
 
+def _session_params(sampling: SamplingConfig, *, ignore_eos: bool) -> Any:
+    """The SamplingParams every chunk of a session starts from (`chunk_params` clones it)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        ignore_eos=ignore_eos,
+        output_kind=RequestOutputKind.DELTA,
+        skip_clone=False,
+    )
+
+
 class EngineSession:
     """The engine side of one session. Not thread-safe; one chunk at a time by construction."""
 
@@ -284,22 +300,12 @@ class EngineSession:
         for (`retention.policy.idle_time_suffices`); False: always consolidate while idle.
         `snapshots`: every chunk boundary's report carries the session's `SessionSnapshot`
         (bounded sessions kept in a session store, realtime/session_store.py)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         self.engine = engine
         self.request_id = request_id
         self._inputs: asyncio.Queue[object] = asyncio.Queue()
         self._outputs: AsyncIterator[Any] | None = None
-        self._sampling_params = SamplingParams(
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            ignore_eos=ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            skip_clone=False,
-        )
+        self._ignore_eos = ignore_eos
+        self._sampling_params = _session_params(sampling, ignore_eos=ignore_eos)
         if retention is not None:
             self._sampling_params.extra_args = {REQUEST_ARGS_KEY: retention}
             if snapshots:
@@ -326,6 +332,15 @@ class EngineSession:
         # Whether the last chunk was answered: its assistant turn is then still open (the last
         # sampled token is not in the context) and the next chunk must close it.
         self.turn_open = False
+
+    def update_sampling(self, sampling: SamplingConfig) -> None:
+        """Later chunks sample with `sampling` (session.update); the chunk in flight keeps the
+        params it was fed with (each chunk gets a clone, `chunk_params`)."""
+        # A new SamplingParams, not edited fields: its __post_init__ normalizes greedy
+        # sampling (temperature 0) and checks the values, as at open.
+        extra_args = self._sampling_params.extra_args
+        self._sampling_params = _session_params(sampling, ignore_eos=self._ignore_eos)
+        self._sampling_params.extra_args = extra_args
 
     def chunk_params(
         self,

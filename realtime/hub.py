@@ -30,6 +30,7 @@ from protocol import (
     EngineError,
     Frame,
     InvalidEvent,
+    InvalidRequestError,
     Limits,
     RealtimeError,
     Reservation,
@@ -122,6 +123,9 @@ class SessionRecord:
     bounded: bool = False
     # Tokens of the instructions' system turn (counted at open; pinned in the first chunk).
     instructions_tokens: int = 0
+    # sampling.max_tokens at open: admission reserved a reply of this size, so a session.update
+    # may lower it but not raise it above this.
+    reply_tokens_reserved: int = 0
 
     @property
     def reserved_blocks(self) -> int:
@@ -351,12 +355,34 @@ class SessionHub:
             transport,
             bounded=bounded,
             instructions_tokens=instructions_tokens,
+            reply_tokens_reserved=config.sampling.max_tokens,
         )
         self.sessions[protocol.session_id] = record
         self.metrics.sessions_open.set(len(self.sessions))
         self.metrics.kv_blocks_reserved.set(self.reserved_total())
         log.info("session opened id=%s modality=%s", protocol.session_id[:12], config.modality)
         return record
+
+    def update_session(self, record: SessionRecord, config: SessionConfig) -> None:
+        """Apply a session.update's settings to the session's later chunks (the state machine
+        has checked the fixed settings); refuse what admission or the grammar backend cannot
+        take, naming the field."""
+        reserved = record.reply_tokens_reserved
+        if config.sampling.max_tokens > reserved:
+            raise InvalidRequestError(
+                f"session.update.sampling.max_tokens: {config.sampling.max_tokens} is more than "
+                f"the {reserved} tokens per reply admission reserved at session.open; open a new "
+                "session for longer replies",
+                param="sampling.max_tokens",
+            )
+        try:
+            validate_format(
+                config.sampling.response_format, "session.update.sampling.response_format"
+            )
+        except RealtimeError as exc:
+            exc.param = exc.param or "sampling.response_format"
+            raise
+        record.engine_session.update_sampling(config.sampling)
 
     def open_configs(self) -> list[SessionConfig]:
         return [c for r in self.sessions.values() if (c := r.protocol.config) is not None]

@@ -5,7 +5,8 @@ export type ClientEvent =
   | FrameAppendEvent
   | ResponseCancelEvent
   | SessionCloseEvent
-  | SessionResumeEvent;
+  | SessionResumeEvent
+  | SessionUpdateEvent;
 export type ServerEvent =
   | SessionCreatedEvent
   | SessionOpenedEvent
@@ -16,6 +17,7 @@ export type ServerEvent =
   | SessionClosedEvent
   | SessionResumedEvent
   | ServerDrainingEvent
+  | SessionUpdatedEvent
   | ErrorEvent;
 /**
  * Every error.code this protocol version sends (docs/protocol.md).
@@ -327,6 +329,52 @@ export interface SessionResumeEvent {
    * The resume_token of session.opened (or of the last session.resumed).
    */
   resume_token: string;
+}
+/**
+ * ``session.update``: change settings of the open session from its next chunk on.
+ *
+ * ``sampling`` is merged field by field into the session's (only the fields sent change);
+ * ``frame_format`` replaces it. The reply in flight, if any, keeps the settings it started
+ * with. The settings in :data:`FIXED_SETTINGS` cannot change (``invalid_request`` naming the
+ * field): open a new session for those.
+ */
+export interface SessionUpdateEvent {
+  /**
+   * Event type.
+   */
+  type?: "session.update";
+  /**
+   * Client-chosen id of this event; echoed in error.event_id if it fails.
+   */
+  event_id?: string | null;
+  /**
+   * Sampling fields to change (the others keep their value); null: unchanged.
+   */
+  sampling?: SamplingConfig | null;
+  /**
+   * Required image format of frames from now on; null: unchanged.
+   */
+  frame_format?: ("jpeg" | "png" | "webp" | "auto") | null;
+  /**
+   * Refused if set: the instructions live in the KV cache.
+   */
+  instructions?: string | null;
+  /**
+   * Refused if set.
+   */
+  modality?: ("video" | "text") | null;
+  /**
+   * Refused if set: the window's budget is reserved at open.
+   */
+  retention?: RetentionConfig | null;
+  /**
+   * Refused if set.
+   */
+  resumable?: ResumableConfig | null;
+  /**
+   * Refused if set: admission reserved the session for them.
+   */
+  limits?: ChunkLimits | null;
 }
 /**
  * ``session.created``: greeting sent on connect, before any client event.
@@ -842,6 +890,24 @@ export interface ServerDrainingEvent {
    * Seconds until replies still running are cancelled and sessions closed.
    */
   seconds_left: number;
+}
+/**
+ * ``session.updated``: answer to session.update; the settings every later chunk uses.
+ */
+export interface SessionUpdatedEvent {
+  /**
+   * Event type.
+   */
+  type: "session.updated";
+  /**
+   * Server-generated id of this event (evt_ + 24 hex characters).
+   */
+  event_id: string;
+  /**
+   * Id of this connection's session.
+   */
+  session_id: string;
+  config: EffectiveSessionConfig;
 }
 /**
  * ``error``: something the client sent (or the server) failed; see error.session_survives.

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from vllm_realtime_client import (
     ChunkInFlight,
+    InvalidRequestError,
     Unauthorized,
     connect,
     mint_client_secret,
@@ -117,3 +118,21 @@ async def test_sync_wrapper_is_typed_and_offers_frames(client_server: RunningSer
             assert session.append_frame.__name__ == "append_frame"
 
     await asyncio.to_thread(work)
+
+
+async def test_update_changes_later_replies_and_raises_refusals(
+    client_server: RunningServer,
+) -> None:
+    async with connect(client_server.url, api_key=CLIENT_KEY) as session:
+        await session.open(sampling={"max_tokens": 6, "temperature": 0.0})
+        updated = await session.update(sampling={"max_tokens": 1})
+        assert updated.config.sampling.max_tokens == 1
+        assert updated.config.sampling.temperature == 0.0  # only the field sent changed
+        assert session.config is not None and session.config.sampling.max_tokens == 1
+        done = await session.append_frame(jpeg_bytes(7), prompt="what?")
+        assert done.usage.completion_tokens == 1
+        with pytest.raises(InvalidRequestError) as caught:
+            await session.update(sampling={"max_tokens": 50})  # more than admission reserved
+        assert caught.value.param == "sampling.max_tokens"
+        again = await session.append_frame(jpeg_bytes(8))
+        assert again.frame_index == 1

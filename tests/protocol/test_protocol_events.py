@@ -38,6 +38,8 @@ from protocol import (
     SessionOpenEvent,
     SessionResumedEvent,
     SessionResumeEvent,
+    SessionUpdatedEvent,
+    SessionUpdateEvent,
     Timing,
     Usage,
     encode_client_event,
@@ -72,6 +74,7 @@ CLIENT_EVENTS: list[ClientEvent] = [
     ResponseCancelEvent(event_id="c3"),
     SessionCloseEvent(),
     SessionResumeEvent(session_id="sess_1", resume_token="tok", event_id="r1"),
+    SessionUpdateEvent(sampling=SamplingConfig(temperature=0.5), event_id="u1"),
 ]
 
 SERVER_EVENTS: list[ServerEvent] = [
@@ -95,6 +98,7 @@ SERVER_EVENTS: list[ServerEvent] = [
     ResponseDoneEvent(frame_index=0, status="completed"),
     SessionClosedEvent(session_id="sess_1", reason="idle_timeout", frames_total=12),
     ServerDrainingEvent(seconds_left=19.5),
+    SessionUpdatedEvent(session_id="sess_1", config=SessionConfig()),
     SessionResumedEvent(
         session_id="sess_1",
         config=SessionConfig(model="test-model", resumable=ResumableConfig(grace_s=30.0)),

@@ -20,6 +20,7 @@ from protocol import (
     Input,
     InternalError,
     InvalidEvent,
+    InvalidRequestError,
     Limits,
     NoResponseInFlight,
     OpenSession,
@@ -27,6 +28,7 @@ from protocol import (
     ResponseCancelEvent,
     ResumableConfig,
     ResumeSession,
+    SamplingConfig,
     SessionAlreadyOpen,
     SessionClosed,
     SessionCloseEvent,
@@ -34,9 +36,11 @@ from protocol import (
     SessionOpenEvent,
     SessionProtocol,
     SessionResumeEvent,
+    SessionUpdateEvent,
     State,
     SubmitFrame,
     UndecodableFrame,
+    UpdateSession,
     Usage,
 )
 from protocol.state import REFUSALS, TRANSITIONS
@@ -117,6 +121,9 @@ def _apply(proto: SessionProtocol, inp: Input) -> object:
         Input.SESSION_RESUME: lambda: proto.receive_client_event(
             SessionResumeEvent(session_id="sess_other", resume_token="tok", event_id="ev")
         ),
+        Input.SESSION_UPDATE: lambda: proto.receive_client_event(
+            SessionUpdateEvent(sampling=SamplingConfig(temperature=0.5), event_id="ev")
+        ),
         Input.DETACH: proto.detach,
         Input.RESUMED: lambda: proto.resumed("tok-2"),
         Input.EXPIRE: lambda: proto.server_close("expired"),
@@ -133,6 +140,7 @@ _CLIENT_INPUTS = {
     Input.RESPONSE_CANCEL,
     Input.SESSION_CLOSE,
     Input.SESSION_RESUME,
+    Input.SESSION_UPDATE,
 }
 
 
@@ -177,6 +185,7 @@ EXPECTED_REFUSAL_CODES = {
         "FRAME_ANNOUNCE": "session_not_open",
         "BINARY": "binary_unexpected",
         "RESPONSE_CANCEL": "session_not_open",
+        "SESSION_UPDATE": "session_not_open",
         "OPEN_REFUSED": "internal_error",
         "RESPONSE_DONE": "internal_error",
         "DETACH": "internal_error",
@@ -222,6 +231,7 @@ EXPECTED_REFUSAL_CODES = {
         "SESSION_CLOSE": "session_closed",
         "OPEN_REFUSED": "internal_error",
         "SESSION_RESUME": "session_closed",
+        "SESSION_UPDATE": "session_closed",
         "DETACH": "internal_error",
         "RESUMED": "internal_error",
     },
@@ -237,6 +247,7 @@ EXPECTED_REFUSAL_CODES = {
                 "RESPONSE_CANCEL",
                 "SESSION_CLOSE",
                 "SESSION_RESUME",
+                "SESSION_UPDATE",
                 "OPEN_REFUSED",
                 "DISCONNECT",
                 "IDLE_TIMEOUT",
@@ -666,3 +677,41 @@ def test_expiry_closes_with_reason_expired(state: State) -> None:
         # The reply still running is drained like at any close.
         assert close.in_flight is not None
         assert proto.response_finished("cancelled", status_reason="expired").frame_index == 0
+
+
+def test_session_update_merges_sampling_and_keeps_the_rest() -> None:
+    proto = new()
+    proto.receive_client_event(
+        SessionOpenEvent(sampling=SamplingConfig(max_tokens=16, temperature=0.0, seed=7))
+    )
+    action = proto.receive_client_event(
+        SessionUpdateEvent.model_validate({"sampling": {"temperature": 0.8, "max_tokens": 4096}})
+    )
+    assert isinstance(action, UpdateSession)
+    sampling = action.config.sampling
+    # Only the fields sent change; max_tokens is capped as at open; the seed stays.
+    assert (sampling.temperature, sampling.seed) == (0.8, 7)
+    assert sampling.max_tokens == LIMITS.max_tokens_cap
+    assert action.previous.sampling.temperature == 0.0
+    assert proto.config == action.config == action.event.config
+    assert proto.state is State.IDLE
+    proto.update_refused(action.previous)  # the server could not apply it: back as it was
+    assert proto.config == action.previous
+
+
+@pytest.mark.parametrize("field", ["instructions", "retention", "modality", "limits", "resumable"])
+def test_session_update_refuses_fixed_settings_naming_them(field: str) -> None:
+    proto = new()
+    proto.receive_client_event(SessionOpenEvent(instructions="watch"))
+    before = proto.config
+    values: dict[str, Any] = {
+        "instructions": "other",
+        "retention": {"window_chunks": 2},
+        "modality": "text",
+        "limits": {"max_clip_frames": 2},
+        "resumable": {"grace_s": 5.0},
+    }
+    with pytest.raises(InvalidRequestError) as caught:
+        proto.receive_client_event(SessionUpdateEvent.model_validate({field: values[field]}))
+    assert caught.value.param == field and caught.value.session_survives
+    assert proto.config == before and proto.state is State.IDLE

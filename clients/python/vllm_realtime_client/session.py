@@ -76,6 +76,8 @@ from protocol.events import (
     SessionOpenEvent,
     SessionResumedEvent,
     SessionResumeEvent,
+    SessionUpdatedEvent,
+    SessionUpdateEvent,
 )
 from vllm_realtime_client.errors import (
     ChunkInFlight,
@@ -299,6 +301,7 @@ class RealtimeSession:
         self._turn_lock = asyncio.Lock()
         self._turn: _Turn | None = None
         self._open_wait: tuple[str, asyncio.Future[SessionOpenedEvent]] | None = None
+        self._update_waits: dict[str, asyncio.Future[SessionUpdatedEvent]] = {}
         self._cancel_ids: set[str] = set()
         self._ended = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
@@ -594,6 +597,41 @@ class RealtimeSession:
             text, prompt=prompt, frame_id=frame_id, timestamp=timestamp, timeout=timeout
         )
         return await stream.result()
+
+    async def update(
+        self,
+        *,
+        sampling: SamplingConfig | Mapping[str, Any] | None = None,
+        frame_format: FrameFormat | None = None,
+        timeout: _Timeout = _DEFAULT,
+    ) -> SessionUpdatedEvent:
+        """Send ``session.update`` and return ``session.updated``: later chunks use the new
+        settings (a reply in flight keeps its own).  ``sampling`` changes only the fields it
+        names, e.g. ``update(sampling={"temperature": 0.7})``.  The instructions, retention,
+        modality and limits are fixed for the session's life (the server refuses them with
+        ``invalid_request``, its ``param`` naming the field)."""
+        self._check_alive()
+        if self._opened is None:
+            raise SessionNotOpen("call open() before update()")
+        fields: dict[str, Any] = {}
+        if sampling is not None:
+            fields["sampling"] = (
+                sampling if isinstance(sampling, SamplingConfig) else dict(sampling)
+            )
+        if frame_format is not None:
+            fields["frame_format"] = frame_format
+        event_id = self._new_id()
+        try:
+            event = SessionUpdateEvent.model_validate({"event_id": event_id, **fields})
+        except ValidationError as exc:
+            raise InvalidEvent(f"session.update: {_first_error(exc)}") from None
+        future: asyncio.Future[SessionUpdatedEvent] = asyncio.get_running_loop().create_future()
+        self._update_waits[event_id] = future
+        try:
+            await self._send(encode_client_event(event))
+            return await self._wait(future, self._resolve_timeout(timeout), "session.updated")
+        finally:
+            del self._update_waits[event_id]
 
     async def offer_frame(
         self,
@@ -1147,6 +1185,14 @@ class RealtimeSession:
         elif isinstance(event, SessionOpenedEvent):
             if self._open_wait is not None and not self._open_wait[1].done():
                 self._open_wait[1].set_result(event)
+        elif isinstance(event, SessionUpdatedEvent):
+            if self._opened is not None:
+                self._opened = self._opened.model_copy(update={"config": event.config})
+            # session.updated answers the updates in the order they were sent.
+            for future in self._update_waits.values():
+                if not future.done():
+                    future.set_result(event)
+                    break
         elif isinstance(event, ServerDrainingEvent):
             self.draining = event
             if self.resilient:
@@ -1173,6 +1219,11 @@ class RealtimeSession:
         if self._open_wait is not None and detail.event_id == self._open_wait[0]:
             if not self._open_wait[1].done():
                 self._open_wait[1].set_exception(exc)
+            return
+        waiting = self._update_waits.get(detail.event_id or "")
+        if waiting is not None:
+            if not waiting.done():
+                waiting.set_exception(exc)
             return
         turn = self._turn
         if (
