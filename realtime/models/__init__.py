@@ -70,6 +70,12 @@ def _build_tiny_vlm(out: Path) -> None:
     build_tiny_vlm(out)
 
 
+def _build_tiny_qwen3_vl(out: Path) -> None:
+    from realtime.models.tiny_qwen_vl import build_tiny_qwen3_vl
+
+    build_tiny_qwen3_vl(out)
+
+
 def _smol_vlm_inputs() -> str:
     import hashlib
 
@@ -109,6 +115,14 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             _build_smol_vlm,
             QWEN2_VL_CHATML,
             _smol_vlm_inputs,
+        ),
+        DefaultModel(
+            "tiny-qwen3-vl",
+            "random-weight Qwen3-VL (interleaved mRoPE, deepstack, video timestamps as text), "
+            "output is noise: proves bounded sessions on the design's reference family",
+            "video",
+            _build_tiny_qwen3_vl,
+            QWEN2_VL_CHATML,
         ),
     )
 }
