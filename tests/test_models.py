@@ -135,7 +135,7 @@ def test_a_model_built_from_other_packaged_weights_is_not_reused(
     assert is_built("tiny-qwen2-vl")
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-vl"])
+@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen2.5-vl"])
 def test_tiny_qwen_vl_families_process_images_and_clips_as_their_family_does(name: str) -> None:
     import numpy as np
     from PIL import Image

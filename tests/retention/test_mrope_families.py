@@ -62,6 +62,11 @@ FAMILIES = {
         Media(clip_fps=2.0),
         Media(image_size=64, clip_size=64, clip_fps=2.0),
     ),
+    "tiny-qwen2.5-vl": Family(
+        "tiny-qwen2.5-vl",
+        Media(clip_fps=2.0),
+        Media(image_size=56, clip_size=56, clip_fps=2.0),
+    ),
 }
 
 

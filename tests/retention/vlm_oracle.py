@@ -213,6 +213,27 @@ def media_token_ids(model: Any) -> tuple[int, int]:
     return int(model.config.image_token_id), int(model.config.video_token_id)
 
 
+def continue_after_items(positions: Any, types: Any) -> Any:
+    """Text after an item continues at the largest position so far + 1: the rule of Qwen's
+    reference ``get_rope_index`` and of vLLM's ``get_mrope_input_positions``.
+
+    transformers 5.19's Qwen2.5-VL ``get_rope_index`` advances past an item by max(h, w) only,
+    ignoring the clip's temporal extent (scaled by ``second_per_grid_ts × tokens_per_second``),
+    so the text after a scaled clip overlaps its positions there; a plain vLLM request (no
+    retention) differs from it by ~1e-4..1e-3 in log-probs. Everywhere else (images, clips
+    whose temporal extent is below max(h, w), Qwen2-VL, Qwen3-VL's one-patch frames) this
+    changes nothing. The item's own positions are transformers'."""
+    out = positions.clone()
+    shift = 0
+    top = -1
+    for j in range(positions.shape[-1]):
+        if j and int(types[0, j]) == 0 and int(types[0, j - 1]) != 0:
+            shift = top + 1 - int(positions[0, 0, j])
+        out[:, :, j] = positions[:, :, j] + shift
+        top = max(top, int(out[:, :, j].max()))
+    return out
+
+
 def dense_logprobs(
     model: Any,
     tokens: list[int],
@@ -266,6 +287,7 @@ def dense_logprobs(
         rope_args["second_per_grid_ts"] = torch.cat(seconds)
     if grids["image"] or grids["video"]:
         positions, _ = model.model.get_rope_index(ids, mm_token_type_ids=types, **rope_args)
+        positions = continue_after_items(positions, types)
     else:
         positions = torch.arange(n).view(1, 1, -1).expand(3, 1, -1).clone()
     if shift:
