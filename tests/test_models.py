@@ -133,3 +133,39 @@ def test_a_model_built_from_other_packaged_weights_is_not_reused(
     (model_dir("tiny-qwen2-vl")).mkdir(parents=True)
     (model_dir("tiny-qwen2-vl") / _MARKER).write_text("ok\n")  # no packaged inputs: any marker
     assert is_built("tiny-qwen2-vl")
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-vl", "tiny-qwen2.5-vl"])
+def test_tiny_qwen_vl_families_process_images_and_clips_as_their_family_does(name: str) -> None:
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor
+
+    path = str(build_model(name))
+    proc = AutoProcessor.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
+    tok = proc.tokenizer
+    assert len(tok) == 1024  # tiny_vlm's tokenizer: padded so every sampled id decodes
+    image = Image.new("RGB", (112, 112), (120, 30, 200))
+    out = proc(text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[image])
+    # Qwen3-VL: 112 -> 128 px, 8×8 patches of 16; Qwen2.5-VL: 8×8 patches of 14; 2×2 merge.
+    assert out["input_ids"][0].count(config.image_token_id) == 16
+    clip = np.zeros((4, 112, 112, 3), dtype=np.uint8)
+    metadata = {"fps": 0.5, "duration": 8.0, "total_num_frames": 4, "frames_indices": [0, 1, 2, 3]}
+    out = proc(
+        text=["<|vision_start|><|video_pad|><|vision_end|>"],
+        videos=[clip],
+        video_metadata=[metadata],
+        do_sample_frames=False,
+    )
+    ids = out["input_ids"][0]
+    assert ids.count(config.video_token_id) == 32  # 2 temporal patches of 16
+    if name == "tiny-qwen3-vl":
+        assert config.text_config.rope_parameters["mrope_interleaved"]
+        assert config.vision_config.deepstack_visual_indexes == [0, 1]
+        # Each temporal patch is introduced by its timestamp, written as text.
+        assert "<1.0 seconds>" in tok.decode(ids) and "<5.0 seconds>" in tok.decode(ids)
+    else:
+        # A clip's temporal positions are scaled by 2 / fps × tokens_per_second = 16.
+        assert [float(s) for s in out["second_per_grid_ts"]] == [4.0]
+        assert config.vision_config.tokens_per_second == 4

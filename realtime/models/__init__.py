@@ -88,6 +88,18 @@ def _build_tiny_smolvlm(out: Path) -> None:
     build_tiny_smolvlm(out)
 
 
+def _build_tiny_qwen3_vl(out: Path) -> None:
+    from realtime.models.tiny_qwen_vl import build_tiny_qwen3_vl
+
+    build_tiny_qwen3_vl(out)
+
+
+def _build_tiny_qwen2_5_vl(out: Path) -> None:
+    from realtime.models.tiny_qwen_vl import build_tiny_qwen2_5_vl
+
+    build_tiny_qwen2_5_vl(out)
+
+
 def _smol_vlm_inputs() -> str:
     import hashlib
 
@@ -135,6 +147,22 @@ DEFAULT_MODELS: dict[str, DefaultModel] = {
             "video",
             _build_tiny_smolvlm,
             SMOLVLM_FORMAT,
+        ),
+        DefaultModel(
+            "tiny-qwen3-vl",
+            "random-weight Qwen3-VL (interleaved mRoPE, deepstack, video timestamps as text), "
+            "output is noise: proves bounded sessions on the design's reference family",
+            "video",
+            _build_tiny_qwen3_vl,
+            QWEN2_VL_CHATML,
+        ),
+        DefaultModel(
+            "tiny-qwen2.5-vl",
+            "random-weight Qwen2.5-VL (mRoPE with a clip's temporal positions scaled by time), "
+            "output is noise: proves bounded sessions on it",
+            "video",
+            _build_tiny_qwen2_5_vl,
+            QWEN2_VL_CHATML,
         ),
     )
 }

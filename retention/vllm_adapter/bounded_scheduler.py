@@ -27,6 +27,7 @@ from retention.vllm_adapter import check_serving_support
 from retention.vllm_adapter.eviction import RetentionConfigError, SessionRetention
 from retention.vllm_adapter.kv_rotation import rotation_supported
 from retention.vllm_adapter.model_families import model_config_problem
+from retention.vllm_adapter.mrope import chunk_position_function
 from retention.vllm_adapter.scheduler import RetentionScheduler
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,11 @@ class BoundedSessionScheduler(RetentionScheduler):
             model_max_position(self.vllm_config.model_config),
             max_model_len=int(self.max_model_len),
             uses_mrope=self._uses_mrope,
+            # mRoPE: the model's own position function measures how far a chunk's positions
+            # outgrow its tokens (Qwen2.5-VL's clips), for the consolidation cursor.
+            position_function=(
+                chunk_position_function(self.vllm_config.model_config) if self._uses_mrope else None
+            ),
             encoder_cache_manager=getattr(self, "encoder_cache_manager", None),
             rotation_supported=current_platform.is_cpu()
             and rotation_supported(

@@ -28,9 +28,16 @@ complete up to ``num_computed_tokens``.
 * Positions (1D RoPE). Survivors keep their original positions; a token computed now is at
   ``cache index + offset`` with ``offset = position cursor - tokens held`` (``positions.py``).
 * Positions (mRoPE). The worker keeps each session's 3-D position tensor and slices/extends
-  it itself from the record (see ``mrope.py``). The 1D cursor of the policy counts tokens, which bounds the
-  mRoPE positions from above (text advances one position per token, an image or clip of t×h×w
-  tokens advances max(t, h, w)), so consolidating on it is safe, if early.
+  it itself from the record (see ``mrope.py``). The 1D cursor of the policy counts tokens; text
+  advances one position per token and an image or clip of t×h×w tokens max(t, h, w) (Qwen2-VL,
+  Qwen3-VL), but Qwen2.5-VL scales a clip's temporal positions by its duration, so a clip can
+  span more positions than it has tokens. Each chunk's *excess* (``mrope.position_excess``,
+  from the model's own position function run here on the chunk alone) is therefore recorded
+  with its segment, and every decision on ``max_position`` uses the cursor plus the excess of
+  the chunks computed since the last re-prefill (or held through it): an upper bound of the
+  largest position the worker's tensor holds, so a session consolidates before it, never
+  after. For models whose chunks never outgrow their tokens the excess is 0 and nothing
+  changes.
 * Multimodal items. A feature whose placeholders lie (even partly) in a freed range is dropped
   from ``mm_features`` with its data, and its encoder-cache entry is released at once (it is
   computed, so no request references it): the scheduler's ``EncoderCacheManager`` frees the
@@ -83,7 +90,7 @@ Requests without the key take none of these paths (one dict lookup per fold).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from retention.policy import (
@@ -114,6 +121,7 @@ from retention.records import SessionSnapshot
 from retention.vllm_adapter.capabilities import skip_prefix_cache_reads
 from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, with_offset_reset
 from retention.vllm_adapter.kv_range import evict_token_range_for_request, is_hashed_block
+from retention.vllm_adapter.mrope import PositionFunction, chunk_excess, local_features
 
 REPREFILL_PIECE_ENV: Final = "VLLM_REALTIME_REPREFILL_PIECE"
 """Tokens per step of a re-prefill (a power of two; 0: the whole re-prefill in one step)."""
@@ -177,6 +185,13 @@ class SessionRetentionState:
     # A rebuilt session (issue #39): the history its first chunk (the snapshot's tokens) is
     # recorded as at the first fold, instead of one chunk.
     restore: SessionSnapshot | None = None
+    # mRoPE: positions beyond the token cursor (see "Positions (mRoPE)" above): per recorded
+    # chunk segment (by index), their sum over the chunks computed since the last re-prefill
+    # plus the re-prefill's survivors, and the excess of the chunk folded in last (recorded at
+    # the next fold with its segment).
+    excess_by_segment: dict[int, int] = field(default_factory=dict)
+    position_excess: int = 0
+    pending_excess: int = 0
 
 
 def budget_of(sampling_params: Any) -> RetentionBudget | None:
@@ -288,6 +303,23 @@ def _merge_freed(
     return merged
 
 
+def _note_excess(state: SessionRetentionState, index: int) -> None:
+    """The chunk folded in last is recorded now as segment `index`: its excess with it."""
+    if state.pending_excess:
+        state.excess_by_segment[index] = state.pending_excess
+        state.position_excess += state.pending_excess
+    state.pending_excess = 0
+
+
+def _rebase_excess(state: SessionRetentionState, history: SessionHistory) -> None:
+    """After a re-prefill (consolidation or preemption resume): positions restart from 0 over
+    the held tokens, so the excess is that of the chunks still held (a remnant counted whole:
+    an upper bound)."""
+    held = {seg.index for seg in history.segments}
+    state.excess_by_segment = {i: e for i, e in state.excess_by_segment.items() if i in held}
+    state.position_excess = sum(state.excess_by_segment.values())
+
+
 class SessionRetention:
     """Per-scheduler registry of retention sessions. Lives in the EngineCore process."""
 
@@ -303,6 +335,7 @@ class SessionRetention:
         reprefill_piece: int | None = None,
         rotation_supported: bool = False,
         default_consolidation: ConsolidationMode | None = None,
+        position_function: PositionFunction | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.block_size = block_size
@@ -321,6 +354,8 @@ class SessionRetention:
         self.rotation_supported = rotation_supported and not uses_mrope
         self.default_consolidation = default_consolidation or consolidation_from_env()
         self.sessions: dict[str, SessionRetentionState] = {}
+        # mRoPE: the model's own position function, to measure each chunk's excess.
+        self.position_function = position_function
 
     # -- lifecycle
 
@@ -341,6 +376,7 @@ class SessionRetention:
             pending_prompt=int(request.num_prompt_tokens),
             pending_head=0,
             consolidation=self._mode_for(budget),
+            pending_excess=self._incoming_excess(request),
         )
         restore = restore_of(request.sampling_params)
         if restore is not None:
@@ -381,6 +417,7 @@ class SessionRetention:
             state.restore = None
         control = is_consolidation_control(request.sampling_params)
         state.control_fold = control
+        new_excess = 0
         if not control:
             # The chunk just folded in (the protected tail): its kind and prompt length, for
             # the next fold to split it from its reply.
@@ -422,10 +459,15 @@ class SessionRetention:
             incoming = (
                 int(request.num_tokens) - int(request.num_computed_tokens) + int(request.max_tokens)
             )
-            state.largest_incoming = max(state.largest_incoming, incoming)
+            new_excess = self._incoming_excess(request)
+            state.largest_incoming = max(state.largest_incoming, incoming + new_excess)
         reset = False
         rotations: tuple[tuple[int, int, int], ...] = ()
-        if control or needs_consolidation(history, state.budget, incoming, state.max_position):
+        # Positions the chunk and its reply may reach beyond the token cursor (mRoPE excess).
+        beyond = state.position_excess + new_excess
+        if control or needs_consolidation(
+            history, state.budget, incoming + beyond, state.max_position
+        ):
             runs = rotation_runs(history) if state.consolidation == "rotate" else ()
             if state.consolidation == "rotate" and self._may_rotate(request, runs):
                 # The worker rotates the survivors' keys to 0..n-1 before the next step.
@@ -441,7 +483,9 @@ class SessionRetention:
                 self._reprefill(request)
                 state.reprefill_end = int(request.num_tokens)
                 reset = True
+                _rebase_excess(state, history)
         state.history = history
+        state.pending_excess = new_excess
         state.fold += 1
         set_fold_control(
             request.sampling_params,
@@ -528,6 +572,7 @@ class SessionRetention:
         reply ("reply"), the chunk ("text" or "frame") and its reply ("reply") apart."""
         budget = state.budget
         if budget.text_window_tokens is None:
+            _note_excess(state, history.next_index)
             return append_segment(history, "chunk", new_tokens)
         pinned = state.chunks < budget.sink_chunks
         state.chunks += 1
@@ -537,10 +582,20 @@ class SessionRetention:
             history = append_segment(history, "reply", head, pinned=pinned)
             new_tokens -= head
         prompt = max(1, min(state.pending_prompt - max(head, 0), new_tokens))
+        _note_excess(state, history.next_index)
         history = append_segment(history, state.pending_kind, prompt, pinned=pinned)
         if new_tokens > prompt:
             history = append_segment(history, "reply", new_tokens - prompt, pinned=pinned)
         return history
+
+    def _incoming_excess(self, request: Any) -> int:
+        """The mRoPE excess of the chunk just folded in (its uncomputed tokens and items)."""
+        if self.position_function is None:
+            return 0
+        start = int(request.num_computed_tokens)
+        tokens = list(request._all_token_ids[start : int(request.num_tokens)])
+        features = local_features(request.mm_features or (), start)
+        return chunk_excess(self.position_function, tokens, features)
 
     def _does_not_fit(
         self, request: Any, state: SessionRetentionState, incoming: int
@@ -551,7 +606,9 @@ class SessionRetention:
                 f"after this fold's eviction the session holds {held} tokens; it must stay "
                 f"below max_model_len={self.max_model_len}"
             )
-        end = state.history.next_position() + incoming
+        end = (
+            state.history.next_position() + incoming + state.position_excess + state.pending_excess
+        )
         if end > state.max_position:
             return (
                 f"the chunk and its reply would reach position {end} right after "
@@ -573,6 +630,7 @@ class SessionRetention:
             return
         state.preemptions += 1
         state.history = consolidate(state.history)
+        _rebase_excess(state, state.history)
         state.reprefill_end = int(request.num_tokens)
         request.block_hashes.clear()
         request.update_block_hashes()
@@ -596,6 +654,7 @@ class SessionRetention:
             return False  # a rotation costs no step: nothing to move off the chunk's path
         computed = int(request.num_computed_tokens)
         cursor = state.history.next_position() + max(0, computed - state.history.num_tokens)
+        cursor += state.position_excess + state.pending_excess
         return idle_consolidation_due(cursor, state.largest_incoming, state.max_position)
 
     def step_cap(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -749,6 +808,8 @@ class SessionRetention:
         return {
             **self.summary(request),
             "position_cursor": h.next_position(),
+            # mRoPE: the cursor plus the excess (an upper bound of the largest position + 1).
+            "position_excess": state.position_excess + state.pending_excess,
             "consolidation": state.consolidation,
             "blocks_freed_total": state.blocks_freed_total,
             "fold": state.fold,

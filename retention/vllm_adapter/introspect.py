@@ -95,12 +95,23 @@ def _worker_stats(worker: Any) -> dict[str, Any]:
         for req_id, state in runner.requests.items()
         if getattr(state, "mrope_positions", None) is not None
     }
+    # The largest position the tensor holds, and where decode tokens continue (index + delta):
+    # what a session's position bound must stay above.
+    mrope_top = {
+        _external_id(req_id): max(
+            int(state.mrope_positions.max()) + 1 if state.mrope_positions.numel() else 0,
+            int(state.num_computed_tokens) + int(state.mrope_position_delta or 0),
+        )
+        for req_id, state in runner.requests.items()
+        if getattr(state, "mrope_positions", None) is not None
+    }
     return {
         "rss_bytes": _rss_bytes(),
         "rss_split_bytes": _rss_split(),
         "encoder_cache_entries": len(runner.encoder_cache),
         "num_requests": len(runner.requests),
         "mrope_columns_by_request": mrope_columns,
+        "mrope_top_by_request": mrope_top,
     }
 
 

@@ -41,22 +41,37 @@ streaming update, after the cached state got the new prompt, features and comput
 installed from ``plugin.register`` through an import hook, idempotent. Not supported (refused by
 the scheduler): prompt embeddings, multimodal pruning (EVS recomputes positions per step).
 
-Status (vLLM 0.32, tiny Qwen2-VL; tests/retention/test_video_retention.py, test_mrope.py)
+Position bound (scheduler side). The scheduler's 1D cursor counts tokens. That bounds the
+mRoPE positions from above only where a chunk's positions never outgrow its token count (Qwen2-VL,
+Qwen3-VL: an image or clip of t×h×w tokens advances max(t, h, w)). Qwen2.5-VL scales a clip's
+temporal positions by ``second_per_grid_ts × tokens_per_second``: a clip of few tokens can span
+many positions. So at every fold the scheduler runs the model's own ``get_mrope_input_positions``
+over the incoming chunk alone (:func:`chunk_position_function`, the call the worker makes) and
+takes each item's *excess*, the positions its placeholders span beyond their count
+(:func:`position_excess`); the consolidation decision adds the excess of every chunk computed
+since the last re-prefill (and of the survivors of that re-prefill) to the token cursor, so it
+bounds the largest position the tensor holds (eviction.py).
+
+Status (vLLM 0.32; tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL: tests/retention/test_video_retention.py,
+test_mrope.py, test_mrope_families.py)
 ----------------------------------------------------------------------------------------
 Works: in-place eviction of image and clip chunks, decode after a compaction, consolidation
 (with and without the encoder having to rerun on the surviving frames), concurrent sessions,
-1,000-frame endurance with bounded KV blocks, encoder-cache entries and mRoPE columns. Checked
-against a dense transformers forward with transformers' own 3-D positions: max |Δ logprob|
-~1e-6 (tolerance 1e-4). Not covered: the V2 model runner (it keeps positions in its own state
-and is not patched: refused; it needs triton, so it is off on CPU anyway), async scheduling and
-pipeline parallelism (refused), and
-models whose temporal position scaling can outgrow the token count (the 1D consolidation
-cursor would then no longer bound the mRoPE positions).
+1,000-frame endurance with bounded KV blocks, encoder-cache entries and mRoPE columns, Qwen3-VL's
+interleaved sections and deepstack (nothing position-related: the chunk-local computation
+shifted by max + 1 equals the stock one, its frames' timestamps are text tokens of the chunk),
+Qwen2.5-VL's temporal scaling (the bound above). Checked against a dense transformers forward
+with transformers' own 3-D positions: max |Δ logprob| ~1e-6 (tolerance 1e-4). Not covered: the
+V2 model runner (it keeps positions in its own state and is not patched: refused; it needs
+triton, so it is off on CPU anyway), async scheduling and pipeline parallelism (refused). The
+excess bound assumes one multimodal item per chunk or items whose excess is >= 0 (the service
+sends one frame or clip per chunk): a remnant of a chunk holding an item of negative excess and
+one of positive excess could, after a preemption, span more than its chunk's recorded excess.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from types import ModuleType
 from typing import Any, Final
@@ -129,6 +144,57 @@ def appended_positions(held: Any, chunk_positions: Any | None) -> tuple[Any, int
         positions = torch.cat([held, chunk_positions.to(held.dtype) + start], dim=1)
     top = int(positions.max()) + 1 if positions.shape[1] else 0
     return positions.contiguous(), top - int(positions.shape[1])
+
+
+def position_excess(positions: Any, features: Sequence[Any]) -> int:
+    """How far a chunk's positions outgrow its token count: the sum, over its items, of the
+    positions each item's placeholders span beyond their number (never below 0 per item).
+
+    ``positions`` is the chunk's local ``3 × n`` tensor, ``features`` its items with
+    chunk-local offsets. Text advances one position per token, so a chunk's (max position + 1)
+    is at most its token count plus this.
+    """
+    excess = 0
+    for feature in features:
+        pos = feature.mm_position
+        cols = positions[:, pos.offset : pos.offset + pos.length]
+        if cols.shape[1] == 0:
+            continue
+        span = int(cols.max()) - int(cols.min()) + 1
+        excess += max(0, span - int(cols.shape[1]))
+    return excess
+
+
+PositionFunction = Callable[[list[int], list[Any]], tuple[Any, int]]
+
+
+def chunk_position_function(model_config: Any) -> PositionFunction:
+    """The model's own ``get_mrope_input_positions``, callable without its weights (in the
+    scheduler's process): bound to an instance that was never initialised and holds only the
+    model's config, which is all the position functions of vLLM 0.32's Qwen-VL models read."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        model_config.architectures, model_config=model_config
+    )
+    positions_only = object.__new__(model_cls)
+    # nn.Module.__setattr__ on an instance without its dicts falls through to object's.
+    positions_only.config = model_config.hf_config
+    function: PositionFunction = positions_only.get_mrope_input_positions
+    return function
+
+
+def chunk_excess(function: PositionFunction, tokens: list[int], features: Sequence[Any]) -> int:
+    """:func:`position_excess` of a chunk (its tokens, its items with chunk-local offsets)."""
+    if not features:
+        return 0  # text only: one position per token
+    positions, _ = function(tokens, list(features))
+    return position_excess(positions, features)
+
+
+def local_features(features: Sequence[Any], start: int) -> list[Any]:
+    """The items at or after ``start`` with offsets made relative to it (a chunk alone)."""
+    return _chunk_features(features, start)
 
 
 # --------------------------------------------------------------------------- the runner patch

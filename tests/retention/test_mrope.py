@@ -8,6 +8,7 @@ keeps are exactly the stock positions of the WHOLE uncompacted history (vLLM's o
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import MethodType, ModuleType, SimpleNamespace
 from typing import Any
 
@@ -15,7 +16,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 
@@ -36,6 +39,7 @@ from retention.vllm_adapter.mrope import (
 )
 
 IMAGE_TOKEN = 7
+VIDEO_TOKEN, VISION_START, VISION_END = 6, 8, 9
 
 
 def qwen2_vl_positions() -> Any:
@@ -60,11 +64,60 @@ def image_feature(offset: int, h: int, w: int, name: str) -> MultiModalFeatureSp
     )
 
 
+def positions_only(model_cls: type, config: Any) -> Any:
+    """vLLM's position function of `model_cls`, bound to an uninitialised instance holding only
+    a stub config (as the scheduler binds it: mrope.chunk_position_function)."""
+    stub = object.__new__(model_cls)
+    stub.config = config
+    return stub
+
+
+def qwen3_vl_positions() -> Any:
+    return positions_only(
+        Qwen3VLForConditionalGeneration,
+        SimpleNamespace(
+            video_token_id=VIDEO_TOKEN,
+            vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END,
+            vision_config=SimpleNamespace(spatial_merge_size=2),
+        ),
+    )
+
+
+def qwen2_5_vl_positions() -> Any:
+    return positions_only(
+        Qwen2_5_VLForConditionalGeneration,
+        SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2, tokens_per_second=4)),
+    )
+
+
+FAMILY_POSITIONS = {
+    "qwen2-vl": qwen2_vl_positions,
+    "qwen2.5-vl": qwen2_5_vl_positions,
+    "qwen3-vl": qwen3_vl_positions,
+}
+
+
+def video_feature(
+    offset: int, length: int, grid: tuple[int, int, int], name: str, seconds: float | None = None
+) -> MultiModalFeatureSpec:
+    t, h, w = grid
+    data: dict[str, Any] = {"video_grid_thw": SimpleNamespace(data=torch.tensor([t, 2 * h, 2 * w]))}
+    if seconds is not None:
+        data["second_per_grid_ts"] = SimpleNamespace(data=torch.tensor(seconds))
+    return MultiModalFeatureSpec(
+        data=data,
+        modality="video",
+        identifier=name,
+        mm_position=PlaceholderRange(offset=offset, length=length),
+    )
+
+
 class FakeRunner:
     """The two members of GPUModelRunner the patch touches, with the stock behaviour."""
 
-    def __init__(self) -> None:
-        self.model = qwen2_vl_positions()
+    def __init__(self, model: Any = None) -> None:
+        self.model = model if model is not None else qwen2_vl_positions()
 
     def get_model(self) -> Any:
         return self.model
@@ -98,14 +151,34 @@ def request_state(tokens: list[int], features: list[Any], fold: FoldControl) -> 
     )
 
 
-def make_chunk(rng: random.Random, start: int, index: int) -> tuple[list[int], list[Any]]:
-    """Some text, maybe an image (h×w placeholders), more text."""
+def make_chunk(
+    rng: random.Random, start: int, index: int, family: str = "qwen2-vl"
+) -> tuple[list[int], list[Any]]:
+    """Some text, maybe an image (h×w placeholders) or a clip as the family writes it, more
+    text. Qwen2.5-VL clips scale their temporal positions (up to 8 s × 4 per patch); Qwen3-VL
+    clips are one ``<timestamp text><|vision_start|>pads<|vision_end|>`` group per patch."""
     tokens = [rng.randrange(10, 50) for _ in range(rng.randint(1, 6))]
     features = []
     if rng.random() < 0.7:
         h, w = rng.randint(1, 4), rng.randint(1, 4)
-        features.append(image_feature(start + len(tokens), h, w, f"img{index}"))
-        tokens += [IMAGE_TOKEN] * (h * w)
+        offset = start + len(tokens)
+        if family != "qwen2-vl" and rng.random() < 0.5:
+            t = rng.randint(1, 3)
+            if family == "qwen3-vl":
+                for _ in range(t):
+                    tokens += [rng.randrange(10, 50) for _ in range(rng.randint(1, 3))]
+                    tokens += [VISION_START, *[VIDEO_TOKEN] * (h * w), VISION_END]
+                length = start + len(tokens) - offset
+                features.append(video_feature(offset, length, (t, h, w), f"clip{index}"))
+            else:
+                seconds = rng.choice([0.5, 1.0, 8.0])
+                tokens += [VIDEO_TOKEN] * (t * h * w)
+                features.append(
+                    video_feature(offset, t * h * w, (t, h, w), f"clip{index}", seconds)
+                )
+        else:
+            features.append(image_feature(offset, h, w, f"img{index}"))
+            tokens += [IMAGE_TOKEN] * (h * w)
         tokens += [rng.randrange(10, 50) for _ in range(rng.randint(1, 4))]
     return tokens, features
 
@@ -158,15 +231,21 @@ def test_appended_positions_continue_after_the_max_held_position() -> None:
     assert empty.tolist() == chunk.tolist() and delta0 == 3 - 3
 
 
+@pytest.mark.parametrize("family", sorted(FAMILY_POSITIONS))
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), folds=st.integers(1, 8), reset_at=st.integers(0, 9))
 def test_maintained_positions_equal_stock_positions_of_the_whole_history(
-    runner: FakeRunner, seed: int, folds: int, reset_at: int
+    runner: FakeRunner, family: str, seed: int, folds: int, reset_at: int
 ) -> None:
+    """For each family's own position function (Qwen3-VL: interleaving does not enter the
+    positions, its clips' timestamps are text of the chunk; Qwen2.5-VL: scaled clips), a
+    chunk computed alone and shifted to (max held + 1) is what the stock computation over
+    the whole history gives it."""
     rng = random.Random(seed)
+    runner = FakeRunner(FAMILY_POSITIONS[family]())  # the fixture patched the class
     stock = runner.model
     # The whole history (every token ever sent), and which of its indices the cache holds.
-    all_tokens, all_features = make_chunk(rng, 0, 0)
+    all_tokens, all_features = make_chunk(rng, 0, 0, family)
     held_ids = list(range(len(all_tokens)))
     state = request_state(list(all_tokens), list(all_features), FoldControl(fold=0, reset=True))
     runner._init_mrope_positions(state)
@@ -189,7 +268,7 @@ def test_maintained_positions_equal_stock_positions_of_the_whole_history(
             cursor = b + 1
         gone = {i for a, b in evicted for i in range(a, b)}
         held_ids = [t for i, t in enumerate(held_ids) if i not in gone]
-        chunk, features = make_chunk(rng, len(all_tokens), k)
+        chunk, features = make_chunk(rng, len(all_tokens), k, family)
         all_tokens += chunk
         all_features += features
         new_ids = list(range(len(all_tokens) - len(chunk), len(all_tokens)))
@@ -199,7 +278,7 @@ def test_maintained_positions_equal_stock_positions_of_the_whole_history(
         index_of = {t: i for i, t in enumerate(held_ids + new_ids)}
         state.prompt_token_ids = [all_tokens[t] for t in held_ids + new_ids]
         state.mm_features = [
-            image_feature(index_of[f.mm_position.offset], *_hw(f), f.identifier)
+            replace(f, mm_position=replace(f.mm_position, offset=index_of[f.mm_position.offset]))
             for f in all_features
             if all(i in index_of for i in range(f.mm_position.offset, _end(f)))
         ]
@@ -225,11 +304,6 @@ def test_maintained_positions_equal_stock_positions_of_the_whole_history(
             held_ids = list(range(len(all_tokens)))
         else:
             held_ids = held_ids + new_ids
-
-
-def _hw(f: Any) -> tuple[int, int]:
-    _, h, w = f.data["image_grid_thw"].data.tolist()
-    return h // 2, w // 2
 
 
 def _end(f: Any) -> int:
@@ -315,3 +389,37 @@ def test_compaction_drops_freed_items_and_releases_their_encoder_entries() -> No
     assert ecm.request_cached_ids["req"] == {1}
     assert ecm.num_free_slots == 1000 - 8 and ecm.num_freeable_slots == 1000 - 4
     assert request.num_computed_tokens == 136 and len(request.prompt_token_ids) == 136
+
+
+def test_position_excess_is_what_a_scaled_clip_spans_beyond_its_tokens() -> None:
+    from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    from retention.vllm_adapter.mrope import chunk_excess
+
+    # vLLM's Qwen2.5-VL position function on a stub config (what the scheduler binds it to).
+    stub = object.__new__(Qwen2_5_VLForConditionalGeneration)
+    stub.config = SimpleNamespace(
+        vision_config=SimpleNamespace(spatial_merge_size=2, tokens_per_second=4)
+    )
+    positions = stub.get_mrope_input_positions
+
+    def clip(offset: int, seconds: float) -> MultiModalFeatureSpec:
+        data = {
+            "video_grid_thw": SimpleNamespace(data=torch.tensor([2, 4, 4])),
+            "second_per_grid_ts": SimpleNamespace(data=torch.tensor(seconds)),
+        }
+        return MultiModalFeatureSpec(
+            data=data, modality="video", identifier="v", mm_position=PlaceholderRange(offset, 8)
+        )
+
+    tokens = [11, 12, 13] + [IMAGE_TOKEN] * 8 + [14, 15]
+    # 8 s per temporal patch × 4 tokens per second: the second patch 32 positions on, so the
+    # clip spans 33 positions with its 8 tokens.
+    assert chunk_excess(positions, tokens, [clip(3, 8.0)]) == 33 - 8
+    full, delta = positions(tokens, [clip(3, 8.0)])
+    assert int(full.max()) + 1 == len(tokens) + 25 and delta == 25
+    # At 2 fps (1 s per patch) the clip spans 4 positions (its 2×2 grid): no excess.
+    assert chunk_excess(positions, tokens, [clip(3, 0.5)]) == 0
+    # An image never outgrows its tokens; text alone has no items.
+    assert chunk_excess(positions, tokens[:7], [image_feature(3, 2, 2, "i")]) == 0
+    assert chunk_excess(positions, [1, 2, 3], []) == 0

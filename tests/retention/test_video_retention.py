@@ -1,70 +1,35 @@
 """Bounded video sessions on the tiny random Qwen2-VL (mRoPE): eviction, consolidation, endurance.
 
-Oracles, in float32 against transformers' Qwen2VLForConditionalGeneration (eager attention) on
-the same weights; random weights, so log-probabilities are compared, never text:
-
-* In place (no consolidation yet): a dense forward over EVERY token the session ever held, with
-  the 3-D position ids transformers computes for that whole sequence (``get_rope_index``, all
-  images included), under an attention mask that lets each token see exactly what the cache
-  held when it was computed (see test_text_retention.py for why a survivors-only pass is a
-  different function). This pins down the worker's maintained mRoPE tensor: survivors keep
-  their original 3-D positions, a new chunk continues at (max held position + 1), and decode
-  tokens after a compaction continue from there (``mrope_position_delta``).
-* After a consolidation the oracle restarts from the survivors alone (whole chunks; remnants
-  are dropped for mRoPE models), re-prefilled at fresh positions, and goes on as above.
-
-Images and 4-frame clips (``<|video_pad|>``) are both exercised.
-
-TOLERANCE (1e-4): vLLM's CPU kernels and transformers' eager attention differ in summation order
-only; the measured worst difference is ~1e-6 (the tests print theirs). The tiny random model is
-weakly position-sensitive: putting a chunk 16 positions too low (what a renumbering of the
-survivors does) moves log-probabilities by ~4e-3, so the tolerance is kept 40x below that and
-the eviction test asserts the gap.
+The oracles (the masked dense forward against transformers' own model and 3-D positions, in
+place and after a consolidation) and the session driver live in `vlm_oracle.py`, shared with
+the preemption test and the other mRoPE families (test_mrope_families.py). Images and 4-frame
+clips (``<|video_pad|>``) are both exercised. The tiny random model is weakly
+position-sensitive: putting a chunk 16 positions too low (what a renumbering of the survivors
+does) moves log-probabilities by ~4e-3, so the tolerance (1e-4) is kept 40x below that and the
+eviction test asserts the gap.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from realtime.models import model_dir
 from retention.vllm_adapter.introspect import kv_stats, retention_state, worker_stats
+from tests.retention.vlm_oracle import (
+    SYSTEM,
+    TOLERANCE,
+    VideoSession,
+    drive_and_check,
+    frame_image,
+    frame_prompt,
+    wait_all_blocks_free,
+)
 
 pytestmark = pytest.mark.slow
-
-TOLERANCE = 1e-4
-TOP_K = 5
-SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-
-
-def frame_prompt(i: int, kind: str = "image") -> str:
-    pad = "<|image_pad|>" if kind == "image" else "<|video_pad|>"
-    return (
-        f"<|im_end|>\n<|im_start|>user\n<|vision_start|>{pad}<|vision_end|>"
-        f"frame {i}<|im_end|>\n<|im_start|>assistant\n"
-    )
-
-
-def frame_image(seed: int) -> Any:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8))
-
-
-def frame_clip(seed: int, frames: int = 4) -> Any:
-    """A short clip as the server decodes one: uint8 (T, H, W, 3), T even."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 255, (frames, 112, 112, 3), dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -84,285 +49,6 @@ def processor() -> Any:
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(model_dir("tiny-qwen2-vl")))
-
-
-@dataclass
-class Chunk:
-    """What the processor makes of one chunk (the engine runs the same processor)."""
-
-    token_ids: list[int]
-    kind: str = "text"  # or "image" / "video"
-    pixel_values: Any = None
-    grid_thw: Any = None
-    media: Any = None  # what the engine gets in multi_modal_data
-
-    @property
-    def multi_modal_data(self) -> dict[str, Any] | None:
-        return None if self.media is None else {self.kind: self.media}
-
-
-def process(processor: Any, prompt: str, kind: str = "text", media: Any = None) -> Chunk:
-    if kind == "text":
-        ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        return Chunk(list(ids))
-    if kind == "image":
-        out = processor(text=[prompt], images=[media], return_tensors="pt")
-        return Chunk(
-            out["input_ids"][0].tolist(), kind, out["pixel_values"], out["image_grid_thw"], media
-        )
-    out = processor(text=[prompt], videos=[media], return_tensors="pt")
-    return Chunk(
-        out["input_ids"][0].tolist(),
-        kind,
-        out["pixel_values_videos"],
-        out["video_grid_thw"],
-        media,
-    )
-
-
-def make_chunk(processor: Any, i: int, seed: int, video_every: int = 0) -> tuple[str, Chunk]:
-    """Chunk 0 is the system prompt; then a frame per chunk (every `video_every`-th a clip)."""
-    if i == 0:
-        return SYSTEM, process(processor, SYSTEM)
-    kind = "video" if video_every and i % video_every == 0 else "image"
-    media = frame_clip(seed + i) if kind == "video" else frame_image(seed + i)
-    prompt = frame_prompt(i, kind)
-    return prompt, process(processor, prompt, kind, media)
-
-
-class VideoSession:
-    """A retention session driven chunk by chunk (one chunk in flight, as the server does)."""
-
-    def __init__(self, engine: Any, budget: dict[str, Any], max_tokens: int = 2) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        self.engine = engine
-        self.request_id = f"video-{uuid.uuid4().hex[:12]}"
-        self.inputs: asyncio.Queue[Any] = asyncio.Queue()
-        self.params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-            logprobs=TOP_K,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"streaming_retention": budget},
-        )
-        self.outputs: Any = None
-
-    async def _stream(self) -> AsyncIterator[Any]:
-        while True:
-            item = await self.inputs.get()
-            if item is None:
-                return
-            yield item
-
-    async def send(
-        self, prompt: str, multi_modal_data: dict[str, Any] | None = None
-    ) -> tuple[list[int], list[dict[int, float]]]:
-        from vllm.engine.protocol import StreamingInput
-
-        p: dict[str, Any] = {"prompt": prompt}
-        if multi_modal_data is not None:
-            p["multi_modal_data"] = multi_modal_data
-        self.inputs.put_nowait(StreamingInput(prompt=p))
-        if self.outputs is None:
-            self.outputs = self.engine.generate(
-                self._stream(), self.params, request_id=self.request_id
-            )
-        tokens: list[int] = []
-        logprobs: list[dict[int, float]] = []
-        while True:
-            out = await self.outputs.__anext__()
-            assert not out.finished, "a retention session must not end on its own"
-            completion = out.outputs[0]
-            tokens.extend(completion.token_ids)
-            for entry in completion.logprobs or []:
-                logprobs.append({tok: lp.logprob for tok, lp in entry.items()})
-            if completion.finish_reason is not None:
-                return tokens, logprobs
-
-    async def close(self) -> None:
-        if self.outputs is not None:
-            await self.outputs.aclose()
-        await self.engine.abort(self.request_id)
-
-
-@dataclass
-class DenseOracle:
-    """Every token computed since the last consolidation, with what each one saw."""
-
-    tokens: list[int] = field(default_factory=list)
-    visible: list[list[int]] = field(default_factory=list)
-    # chunk index -> (start, end) in `tokens`, and its image or clip if any
-    spans: dict[int, tuple[int, int]] = field(default_factory=dict)
-    images: dict[int, Chunk] = field(default_factory=dict)
-
-    def add(self, index: int, held: list[int], chunk: Chunk, kept_reply: list[int]) -> None:
-        start = len(self.tokens)
-        for tok in [*chunk.token_ids, *kept_reply]:
-            self.visible.append([*held, *range(start, len(self.tokens) + 1)])
-            self.tokens.append(tok)
-        self.spans[index] = (start, len(self.tokens))
-        if chunk.pixel_values is not None:
-            self.images[index] = chunk
-
-    def restart(self, survivors: list[int]) -> DenseOracle:
-        """After a consolidation: the surviving whole chunks, re-prefilled causally."""
-        fresh = DenseOracle()
-        for index in survivors:
-            a, b = self.spans[index]
-            start = len(fresh.tokens)
-            for tok in self.tokens[a:b]:
-                fresh.visible.append(list(range(len(fresh.tokens) + 1)))
-                fresh.tokens.append(tok)
-            fresh.spans[index] = (start, len(fresh.tokens))
-            if index in self.images:
-                fresh.images[index] = self.images[index]
-        return fresh
-
-    def logprobs(self, model: Any, rows: list[int], shift_from: int = 0, shift: int = 0) -> Any:
-        """Log-probabilities of the next token after each of `rows` (dense masked forward).
-
-        Negative control: `shift` moves the positions of tokens `shift_from..` down by that much
-        (as a renumbering of the survivors would place a new chunk)."""
-        import torch
-
-        n = len(self.tokens)
-        ids = torch.tensor([self.tokens])
-        order = sorted(self.images, key=lambda i: self.spans[i][0])
-        media: dict[str, Any] = {}
-        for kind, pixel_key, grid_key in (
-            ("image", "pixel_values", "image_grid_thw"),
-            ("video", "pixel_values_videos", "video_grid_thw"),
-        ):
-            chunks = [self.images[i] for i in order if self.images[i].kind == kind]
-            if chunks:
-                media[pixel_key] = torch.cat([c.pixel_values for c in chunks])
-                media[grid_key] = torch.cat([c.grid_thw for c in chunks])
-        position_ids = self._positions(model, ids, media)
-        if shift:
-            position_ids[:, :, shift_from:] -= shift
-        mask = torch.full((1, 1, n, n), float("-inf"))
-        for j, seen in enumerate(self.visible):
-            mask[0, 0, j, seen] = 0.0
-        with torch.no_grad():
-            out = model(input_ids=ids, position_ids=position_ids, attention_mask=mask, **media)
-        return torch.log_softmax(out.logits[0, rows].float(), dim=-1)
-
-    @staticmethod
-    def _positions(model: Any, ids: Any, media: dict[str, Any]) -> Any:
-        """transformers' own 3-D positions of the whole sequence."""
-        import torch
-
-        if not media:
-            return torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1).clone()
-        types = (ids == model.config.image_token_id).int() + 2 * (
-            ids == model.config.video_token_id
-        ).int()
-        positions, _ = model.model.get_rope_index(
-            ids,
-            mm_token_type_ids=types,
-            image_grid_thw=media.get("image_grid_thw"),
-            video_grid_thw=media.get("video_grid_thw"),
-        )
-        return positions
-
-
-def compare(got: dict[int, float], want: Any, where: Any) -> float:
-    worst = 0.0
-    for tok, lp in got.items():
-        diff = abs(lp - float(want[tok]))
-        worst = max(worst, diff)
-        assert diff < TOLERANCE, (where, tok, lp, float(want[tok]))
-    assert max(got, key=got.__getitem__) == int(want.argmax()), where
-    return worst
-
-
-async def drive_and_check(
-    engine: Any,
-    hf_vlm: Any,
-    processor: Any,
-    budget: dict[str, Any],
-    num_frames: int,
-    seed: int = 0,
-    reset_encoder_cache: bool = False,
-    video_every: int = 0,
-) -> dict[str, Any]:
-    """Run a session frame by frame; check every sampled token against the dense oracle.
-
-    `reset_encoder_cache`: empty vLLM's encoder cache before every chunk, so that a
-    consolidation's re-prefill must run the vision encoder again on the surviving frames."""
-    session = VideoSession(engine, budget)
-    oracle = DenseOracle()
-    report: dict[str, Any] = {
-        "max_diff": 0.0,
-        "evicted_checks": 0,
-        "consolidated_checks": 0,
-        "renumber_gap": 0.0,
-        # per consolidation: (encoder inputs run for the re-prefill, frames re-prefilled)
-        "reprefill_encoder_runs": [],
-    }
-    consolidations = 0
-    encoder_runs = 0
-    try:
-        pending: tuple[int, Chunk, list[int]] | None = None
-        for i in range(num_frames + 1):
-            prompt, chunk = make_chunk(processor, i, seed, video_every)
-            if reset_encoder_cache:
-                await engine.reset_encoder_cache()
-            reply, logprobs = await session.send(prompt, chunk.multi_modal_data)
-            state = await retention_state(engine, session.request_id)
-            assert state is not None
-            if pending is not None:  # the previous chunk's kept reply is known now
-                oracle.add(*pending)
-            if state["consolidations"] > consolidations:
-                consolidations = state["consolidations"]
-                survivors = [seg[0] for seg in state["segment_chunks"]]
-                assert not any(seg[4] for seg in state["segment_chunks"]), "remnants dropped"
-                oracle = oracle.restart(survivors)
-                assert state["history_positions"] == list(range(len(oracle.tokens)))
-                report["consolidated_checks"] += 1
-                report["reprefill_encoder_runs"].append(
-                    (state["encoder_inputs_scheduled"] - encoder_runs, len(oracle.images) + 1)
-                )
-            encoder_runs = state["encoder_inputs_scheduled"]
-            held = state["history_positions"]
-            assert [oracle.tokens[p] for p in held] == state["token_ids"]
-            # vLLM drops the last sampled token of a chunk; the others stay in context.
-            kept = reply[:-1]
-            probe = DenseOracle(
-                list(oracle.tokens), [list(v) for v in oracle.visible], dict(oracle.spans)
-            )
-            probe.images = dict(oracle.images)
-            probe.add(i, held, chunk, kept)
-            end = len(probe.tokens)
-            rows = [end - len(kept) - 1 + k for k in range(len(logprobs))]
-            want = probe.logprobs(hf_vlm, rows)
-            for k, got in enumerate(logprobs):
-                report["max_diff"] = max(report["max_diff"], compare(got, want[k], (i, k)))
-            if state["tokens_evicted"] and not consolidations and chunk.media is not None:
-                report["evicted_checks"] += 1
-                # Negative control: the chunk 16 positions too low, as a renumbering of the
-                # survivors (stock vLLM's recomputation over the compacted prompt) puts it.
-                start = end - len(chunk.token_ids) - len(kept)
-                wrong = probe.logprobs(hf_vlm, rows[:1], shift_from=start, shift=16)[0]
-                gap = max(abs(lp - float(wrong[t])) for t, lp in logprobs[0].items())
-                report["renumber_gap"] = max(report["renumber_gap"], gap)
-            pending = (i, held, chunk, kept)
-        report["state"] = state
-    finally:
-        await session.close()
-    return report
-
-
-async def wait_all_blocks_free(engine: Any) -> dict[str, Any]:
-    for _ in range(100):
-        stats = await kv_stats(engine)
-        if stats["num_free_blocks"] == stats["num_usable_blocks"]:
-            return stats
-        await asyncio.sleep(0.05)
-    return await kv_stats(engine)
 
 
 async def test_eviction_matches_masked_dense_oracle_with_3d_positions(
