@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from realtime.models.tiny_vlm import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, _build_tokenizer
+from realtime.models.tiny_vlm import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, build_bpe_tokenizer
 
 # Text model shared by both: hidden 128, 2 layers, 4/2 heads of 32 (the CPU attention minimum).
 _TEXT: dict[str, Any] = {
@@ -41,7 +41,13 @@ def _tokenizer_and_ids(out: Path) -> tuple[Any, dict[str, int]]:
     from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(out)
+    build_bpe_tokenizer(
+        out,
+        special_tokens=SPECIAL_TOKENS,
+        chat_template=CHAT_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     tok = AutoTokenizer.from_pretrained(str(out))
     return tok, {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
 

@@ -409,21 +409,57 @@ class SessionRetention:
             return None
         # Any re-prefill is over (a fold comes only after the chunk stopped): lift its cap.
         state.reprefill_end = 0
-        history = state.history
         computed = int(request.num_computed_tokens)
+        history, control = self._record_fold(request, state, computed)
+        history, freed = self._evict(request, state, history)
+        incoming, new_excess = self._take_incoming(request, state, control)
+        # Positions the chunk and its reply may reach beyond the token cursor (mRoPE excess).
+        beyond = state.position_excess + new_excess
+        history, reset, rotations = self._consolidate_if_due(
+            request, state, history, control, incoming + beyond
+        )
+        state.history = history
+        state.pending_excess = new_excess
+        state.fold += 1
+        set_fold_control(
+            request.sampling_params,
+            FoldControl(
+                fold=state.fold,
+                position_offset=history.next_position() - history.num_tokens,
+                held_before=computed,
+                evicted=tuple(sorted(freed)),
+                reset=reset,
+                preemptions=state.preemptions,
+                rotations=rotations,
+            ),
+        )
+        return self._does_not_fit(request, state, incoming)
+
+    def _record_fold(
+        self, request: Any, state: SessionRetentionState, computed: int
+    ) -> tuple[SessionHistory, bool]:
+        """Record what was computed since the last fold; note the chunk just folded in (the
+        protected tail). Returns the history and whether this fold is a control chunk."""
+        history = state.history
         new_tokens = computed - history.num_tokens
         if new_tokens > 0:
             history = self._record_or_restore(state, history, new_tokens)
             state.restore = None
         control = is_consolidation_control(request.sampling_params)
         state.control_fold = control
-        new_excess = 0
         if not control:
-            # The chunk just folded in (the protected tail): its kind and prompt length, for
-            # the next fold to split it from its reply.
+            # Its kind and prompt length, for the next fold to split it from its reply.
             state.pending_kind = chunk_kind(request.sampling_params)
             state.pending_prompt = int(request.num_tokens) - computed
             state.pending_head = chunk_head(request.sampling_params)
+        return history, control
+
+    def _evict(
+        self, request: Any, state: SessionRetentionState, history: SessionHistory
+    ) -> tuple[SessionHistory, list[tuple[int, int]]]:
+        """Run the policy's eviction rounds; free and compact each planned range. Returns the
+        history and the ranges freed, in the coordinates before this fold's eviction (the
+        mRoPE fold record's)."""
         freed: list[tuple[int, int]] = []
         for plan_round in eviction_rounds(state.budget):
             plan = plan_round(history, state.budget, self.block_size, 0)
@@ -446,60 +482,54 @@ class SessionRetention:
                 history = apply_eviction(
                     history, sorted(round_freed), dropped=plan.dropped_segments
                 )
-            # In the coordinates before this fold's eviction (the mRoPE fold record's).
             freed = _merge_freed(freed, sorted(round_freed))
+        return history, freed
+
+    def _take_incoming(
+        self, request: Any, state: SessionRetentionState, control: bool
+    ) -> tuple[int, int]:
+        """The tokens the folded chunk and its reply will add, and its mRoPE excess."""
         if control:
             # A control chunk carries nothing: drop its prompt tokens (never computed) and
             # consolidate now, while the session is idle. The one token it samples is dropped
             # by the next fold, like an ingested chunk's.
             self._drop_tail(request, int(request.num_computed_tokens))
-            incoming = 0
             state.idle_consolidations += 1
-        else:
-            incoming = (
-                int(request.num_tokens) - int(request.num_computed_tokens) + int(request.max_tokens)
-            )
-            new_excess = self._incoming_excess(request)
-            state.largest_incoming = max(state.largest_incoming, incoming + new_excess)
-        reset = False
-        rotations: tuple[tuple[int, int, int], ...] = ()
-        # Positions the chunk and its reply may reach beyond the token cursor (mRoPE excess).
-        beyond = state.position_excess + new_excess
-        if control or needs_consolidation(
-            history, state.budget, incoming + beyond, state.max_position
-        ):
-            runs = rotation_runs(history) if state.consolidation == "rotate" else ()
-            if state.consolidation == "rotate" and self._may_rotate(request, runs):
-                # The worker rotates the survivors' keys to 0..n-1 before the next step.
-                rotations = runs
-                history = consolidate(history)
-                state.rotations += 1
-            else:
-                if state.consolidation == "rotate":
-                    state.rotation_fallbacks += 1
-                if self.uses_mrope:
-                    history = self._drop_remnants(request, state, history)
-                history = consolidate(history)
-                self._reprefill(request)
-                state.reprefill_end = int(request.num_tokens)
-                reset = True
-                _rebase_excess(state, history)
-        state.history = history
-        state.pending_excess = new_excess
-        state.fold += 1
-        set_fold_control(
-            request.sampling_params,
-            FoldControl(
-                fold=state.fold,
-                position_offset=history.next_position() - history.num_tokens,
-                held_before=computed,
-                evicted=tuple(sorted(freed)),
-                reset=reset,
-                preemptions=state.preemptions,
-                rotations=rotations,
-            ),
+            return 0, 0
+        incoming = (
+            int(request.num_tokens) - int(request.num_computed_tokens) + int(request.max_tokens)
         )
-        return self._does_not_fit(request, state, incoming)
+        new_excess = self._incoming_excess(request)
+        state.largest_incoming = max(state.largest_incoming, incoming + new_excess)
+        return incoming, new_excess
+
+    def _consolidate_if_due(
+        self,
+        request: Any,
+        state: SessionRetentionState,
+        history: SessionHistory,
+        forced: bool,
+        reach: int,
+    ) -> tuple[SessionHistory, bool, tuple[tuple[int, int, int], ...]]:
+        """Consolidate (rotate in place, else re-prefill) when forced (an idle control chunk)
+        or when `reach` more positions would pass the trained range. Returns the history,
+        whether the request is re-prefilled, and the worker's rotations."""
+        if not forced and not needs_consolidation(history, state.budget, reach, state.max_position):
+            return history, False, ()
+        runs = rotation_runs(history) if state.consolidation == "rotate" else ()
+        if state.consolidation == "rotate" and self._may_rotate(request, runs):
+            # The worker rotates the survivors' keys to 0..n-1 before the next step.
+            state.rotations += 1
+            return consolidate(history), False, runs
+        if state.consolidation == "rotate":
+            state.rotation_fallbacks += 1
+        if self.uses_mrope:
+            history = self._drop_remnants(request, state, history)
+        history = consolidate(history)
+        self._reprefill(request)
+        state.reprefill_end = int(request.num_tokens)
+        _rebase_excess(state, history)
+        return history, True, ()
 
     def _may_rotate(self, request: Any, runs: tuple[tuple[int, int, int], ...]) -> bool:
         """Rotating keys rewrites blocks in place: only blocks this request alone holds and no
