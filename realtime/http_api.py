@@ -59,7 +59,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorEvent, "description": "invalid_request (and other request errors)"},
     401: {"model": ErrorEvent, "description": "unauthorized: missing or wrong API key"},
     413: {"model": ErrorEvent, "description": "frame_too_large: the body is over the limit"},
-    429: {"model": ErrorEvent, "description": "capacity_exceeded (also while draining) or rate_limited"},
+    429: {
+        "model": ErrorEvent,
+        "description": "capacity_exceeded (also while draining) or rate_limited",
+    },
     503: {"model": ErrorEvent, "description": "engine_error"},
 }
 _OPEN_BODY = {
@@ -80,6 +83,40 @@ _FRAME_BODY = {
             "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
         },
     }
+}
+
+# What /openapi.json says of each route (FastAPI does not see the bodies the routes read).
+_OPEN_DOC: dict[str, Any] = {
+    "summary": "Open an HTTP session",
+    "description": "The body is a SessionConfig (the fields of session.open); the answer is "
+    "session.opened, whose session_id the frame and close routes take.",
+    "responses": {200: {"model": SessionOpenedEvent, "description": "session.opened"}, **_ERRORS},
+    "openapi_extra": _OPEN_BODY,
+}
+_FRAME_DOC: dict[str, Any] = {
+    "summary": "Send one frame and wait for its reply",
+    "description": "One frame.append: the body is the frame, ?prompt= the question asked of it "
+    "(none: the session's default prompt). Answers when the reply is done.",
+    "responses": {
+        200: {"model": ResponseDoneEvent, "description": "the frame's response.done"},
+        404: {"model": ErrorEvent, "description": "session_not_found"},
+        409: {"model": ErrorEvent, "description": "chunk_in_flight: a frame is in flight"},
+        **_ERRORS,
+        503: {"model": HttpFrameError, "description": "engine_error; the session is closed"},
+    },
+    "openapi_extra": _FRAME_BODY,
+}
+_CLOSE_DOC: dict[str, Any] = {
+    "summary": "Close an HTTP session",
+    "description": "Close the session and free its KV blocks.",
+    "responses": {
+        200: {
+            "model": SessionClosedEvent | HttpSessionClosed,
+            "description": "session.closed (reason client_closed)",
+        },
+        401: _ERRORS[401],
+        404: {"model": ErrorEvent, "description": "session_not_found"},
+    },
 }
 
 # Inbound models that routes read themselves, for `document_request_bodies`.
@@ -117,15 +154,8 @@ def http_router(
         hub: SessionHub = request.app.state.hub
         return hub
 
-    @router.post(
-        "/v1/streaming/sessions",
-        summary="Open an HTTP session",
-        responses={200: {"model": SessionOpenedEvent, "description": "session.opened"}, **_ERRORS},
-        openapi_extra=_OPEN_BODY,
-    )
+    @router.post("/v1/streaming/sessions", **_OPEN_DOC)
     async def http_open(request: Request) -> JSONResponse:
-        """Open a session with a SessionConfig body (the fields of session.open); the answer is
-        session.opened, with its `session_id` for the frame and close routes."""
         if (denied := require_key(request)) is not None:
             return denied
         hub = hub_of(request)
@@ -155,23 +185,10 @@ def http_router(
         opened = action.event.model_copy(update={"reservation": hub.reservation(record)})
         return JSONResponse(opened.model_dump(mode="json"))
 
-    @router.post(
-        "/v1/streaming/sessions/{session_id}/frame",
-        summary="Send one frame and wait for its reply",
-        responses={
-            200: {"model": ResponseDoneEvent, "description": "the frame's response.done"},
-            404: {"model": ErrorEvent, "description": "session_not_found"},
-            409: {"model": ErrorEvent, "description": "chunk_in_flight: a frame is in flight"},
-            **_ERRORS,
-            503: {"model": HttpFrameError, "description": "engine_error; the session is closed"},
-        },
-        openapi_extra=_FRAME_BODY,
-    )
+    @router.post("/v1/streaming/sessions/{session_id}/frame", **_FRAME_DOC)
     async def http_frame(
         request: Request, session_id: str, prompt: str | None = None
     ) -> JSONResponse:
-        """One frame.append: the body is the frame, `?prompt=` the question asked of it (none:
-        the session's default prompt). Answers when the reply is done."""
         if (denied := require_key(request)) is not None:
             return denied
         hub = hub_of(request)
@@ -195,20 +212,8 @@ def http_router(
         except RealtimeError as exc:
             return error_response(exc, status_for(exc))
 
-    @router.delete(
-        "/v1/streaming/sessions/{session_id}",
-        summary="Close an HTTP session",
-        responses={
-            200: {
-                "model": SessionClosedEvent | HttpSessionClosed,
-                "description": "session.closed (reason client_closed)",
-            },
-            401: _ERRORS[401],
-            404: {"model": ErrorEvent, "description": "session_not_found"},
-        },
-    )
+    @router.delete("/v1/streaming/sessions/{session_id}", **_CLOSE_DOC)
     async def http_close(request: Request, session_id: str) -> JSONResponse:
-        """Close the session and free its KV blocks."""
         if (denied := require_key(request)) is not None:
             return denied
         hub = hub_of(request)
