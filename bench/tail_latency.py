@@ -56,7 +56,7 @@ VIDEO_MODEL = "tiny-qwen2-vl"
 SMOL_VIDEO_MODEL = "smol-qwen2-vl"
 MQ_CHUNK_ENV = "VLLM_MQ_MAX_CHUNK_BYTES_MB"  # vLLM's step-ring chunk size, read by EngineCore
 # vLLM's CPU platform turns "uni" into "mp" (a worker process); naming the class keeps the
-# worker inside EngineCore (docs/benchmarks.md, session 17).
+# worker inside EngineCore (docs/history/benchmarks-2026.md, session 17).
 EXECUTORS = {"mp": "mp", "uni": "vllm.v1.executor.uniproc_executor.UniProcExecutor"}
 
 

@@ -5,7 +5,7 @@ frames. Every `--ask-every`-th frame (default 2; and every marker frame) carries
 is answered; the others are ingested (`reply: false`), as a watching client sends them. By
 default the question is "Describe the image." and the reply is constrained to the descriptions
 the model was tuned on (`--reply-format describe`; session 17: asked of every frame in free
-text, the 135M LM falls into repeating one reply after ~100-300 frames, docs/vlm.md).
+text, the 135M LM falls into repeating one reply after ~100-300 frames, docs/history/vlm-2026.md).
 
 * **Sink** (`--sink`): `instructions` (default) opens with an ingested text turn, so the pinned
   chunk holds the instructions only; `frame` pins the first frame and its reply. A small LM

@@ -25,7 +25,7 @@ CPU_DEFAULT_BLOCK_SIZE = 32
 """KV block size on the CPU build when none is given (vLLM's own CPU default is 128). Eviction
 frees whole blocks, so a window is honoured to within one block: 32 tokens, the smallest the CPU
 attention backend takes, keeps a video window of 36-token frames within a frame of its size
-(measured in docs/benchmarks.md, "Tail latency")."""
+(measured in docs/history/benchmarks-2026.md, "Tail latency")."""
 
 
 CPU_DEFAULT_MAX_MODEL_LEN = 2048
@@ -154,7 +154,7 @@ def prepare_process_env() -> None:
         # One malloc arena in the engine processes (read by glibc when they start): the worker's
         # slow anonymous creep lives in per-thread arenas, which glibc trims only from their top.
         # A/B in one run, 3,000 bounded text frames: RSS slope 1.163 -> 0.536 MiB per 1k frames,
-        # p99/p50 1.379 -> 1.299; video unchanged (docs/benchmarks.md, "The allocator").
+        # p99/p50 1.379 -> 1.299; video unchanged (docs/history/benchmarks-2026.md, "The allocator").
         os.environ.setdefault("MALLOC_ARENA_MAX", "1")
     # vLLM's step ring: chunks no larger than the part of them made resident at start-up
     # (retention/vllm_adapter/shm_prefault.py), so the worker's memory does not step up as
@@ -166,7 +166,7 @@ def cpu_worker_threads() -> int:
     """OpenMP threads for the CPU worker: one core fewer than this process may use. With a
     thread on every core, the front end's and EngineCore's own threads preempt one, and every
     OpenMP barrier of the model step waits for it: on 2 cores a frame's steps then vary 2-4x
-    (docs/benchmarks.md, "Worker threads"). An operator's OMP_NUM_THREADS is kept."""
+    (docs/history/benchmarks-2026.md, "Worker threads"). An operator's OMP_NUM_THREADS is kept."""
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

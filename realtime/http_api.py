@@ -4,29 +4,144 @@ An HTTP session is a hub session with `transport="http"`: the same registry, adm
 runner as a WebSocket session; the hub's `TurnOutcome.close_reason` decides, as for a socket,
 whether a failed turn ends the session. One request carries one frame; the response is that
 frame's response.done.
+
+The routes read their bodies themselves (`read_body`: refused past the size limit before they
+are buffered, errors in the protocol's `error` shape, not FastAPI's 422), so FastAPI does not
+see the body types; `openapi_extra` and `responses` name them for /openapi.json, and
+`document_request_bodies` puts the request models into its components (docs/http.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
 
 from protocol import (
     ChunkInFlight,
+    ErrorEvent,
     FrameAppendEvent,
     InvalidEvent,
     OpenSession,
     RealtimeError,
+    ResponseDoneEvent,
+    SessionClosedEvent,
     SessionConfig,
+    SessionOpenedEvent,
     SessionOpenEvent,
     SubmitFrame,
 )
 from realtime.drain import Lifecycle
 from realtime.hub import SessionHub, SessionRecord
 from realtime.web import dump, error_response, http_key, read_body, status_for
+
+
+class HttpSessionClosed(BaseModel):
+    """Answer to DELETE for a session that was already closing (no session.closed to give)."""
+
+    session_id: str = Field(description="Id of the session.")
+    closed: Literal[True] = Field(default=True, description="Always true.")
+
+
+class HttpFrameError(ErrorEvent):
+    """A frame whose turn failed: the `error`, and the response.done recorded for the frame."""
+
+    response: ResponseDoneEvent | None = Field(
+        default=None, description="The frame's response.done (status 'failed'), when there is one."
+    )
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorEvent, "description": "invalid_request (and other request errors)"},
+    401: {"model": ErrorEvent, "description": "unauthorized: missing or wrong API key"},
+    413: {"model": ErrorEvent, "description": "frame_too_large: the body is over the limit"},
+    429: {
+        "model": ErrorEvent,
+        "description": "capacity_exceeded (also while draining) or rate_limited",
+    },
+    503: {"model": ErrorEvent, "description": "engine_error"},
+}
+_OPEN_BODY = {
+    "requestBody": {
+        "required": False,
+        "description": "The session's settings; an empty body takes every default.",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SessionConfig"}}},
+    }
+}
+_FRAME_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "One frame: a text/* body is a text turn, any other body an image "
+        "(JPEG, PNG, WebP) in the session's frame_format.",
+        "content": {
+            "text/plain": {"schema": {"type": "string"}},
+            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+# What /openapi.json says of each route (FastAPI does not see the bodies the routes read).
+_OPEN_DOC: dict[str, Any] = {
+    "summary": "Open an HTTP session",
+    "description": "The body is a SessionConfig (the fields of session.open); the answer is "
+    "session.opened, whose session_id the frame and close routes take.",
+    "responses": {200: {"model": SessionOpenedEvent, "description": "session.opened"}, **_ERRORS},
+    "openapi_extra": _OPEN_BODY,
+}
+_FRAME_DOC: dict[str, Any] = {
+    "summary": "Send one frame and wait for its reply",
+    "description": "One frame.append: the body is the frame, ?prompt= the question asked of it "
+    "(none: the session's default prompt). Answers when the reply is done.",
+    "responses": {
+        200: {"model": ResponseDoneEvent, "description": "the frame's response.done"},
+        404: {"model": ErrorEvent, "description": "session_not_found"},
+        409: {"model": ErrorEvent, "description": "chunk_in_flight: a frame is in flight"},
+        **_ERRORS,
+        503: {"model": HttpFrameError, "description": "engine_error; the session is closed"},
+    },
+    "openapi_extra": _FRAME_BODY,
+}
+_CLOSE_DOC: dict[str, Any] = {
+    "summary": "Close an HTTP session",
+    "description": "Close the session and free its KV blocks.",
+    "responses": {
+        200: {
+            "model": SessionClosedEvent | HttpSessionClosed,
+            "description": "session.closed (reason client_closed)",
+        },
+        401: _ERRORS[401],
+        404: {"model": ErrorEvent, "description": "session_not_found"},
+    },
+}
+
+# Inbound models that routes read themselves, for `document_request_bodies`.
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (SessionConfig,)
+
+
+def document_request_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
+    """Add `models` (validation schemas) to the app's OpenAPI components, where the routes'
+    `openapi_extra` request bodies refer to them; FastAPI adds only the models it parses."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = default_openapi()
+        _, defs = models_json_schema(
+            [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name, body in defs.get("$defs", {}).items():
+            components.setdefault(name, body)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def http_router(
@@ -39,7 +154,7 @@ def http_router(
         hub: SessionHub = request.app.state.hub
         return hub
 
-    @router.post("/v1/streaming/sessions")
+    @router.post("/v1/streaming/sessions", **_OPEN_DOC)
     async def http_open(request: Request) -> JSONResponse:
         if (denied := require_key(request)) is not None:
             return denied
@@ -70,8 +185,10 @@ def http_router(
         opened = action.event.model_copy(update={"reservation": hub.reservation(record)})
         return JSONResponse(opened.model_dump(mode="json"))
 
-    @router.post("/v1/streaming/sessions/{session_id}/frame")
-    async def http_frame(request: Request, session_id: str) -> JSONResponse:
+    @router.post("/v1/streaming/sessions/{session_id}/frame", **_FRAME_DOC)
+    async def http_frame(
+        request: Request, session_id: str, prompt: str | None = None
+    ) -> JSONResponse:
         if (denied := require_key(request)) is not None:
             return denied
         hub = hub_of(request)
@@ -80,7 +197,7 @@ def http_router(
             if record.lock.locked():
                 raise ChunkInFlight("a chunk of this session is in flight")
             async with record.lock:
-                action = await _submitted_frame(request, record)
+                action = await _submitted_frame(request, record, prompt)
                 outcome = await hub.run_turn(record, action.frame)
                 if outcome.error is None:
                     return JSONResponse(dump(outcome.done))
@@ -95,7 +212,7 @@ def http_router(
         except RealtimeError as exc:
             return error_response(exc, status_for(exc))
 
-    @router.delete("/v1/streaming/sessions/{session_id}")
+    @router.delete("/v1/streaming/sessions/{session_id}", **_CLOSE_DOC)
     async def http_close(request: Request, session_id: str) -> JSONResponse:
         if (denied := require_key(request)) is not None:
             return denied
@@ -106,20 +223,19 @@ def http_router(
             return error_response(exc, 404)
         close = record.protocol.server_close("server_shutdown")
         await hub.close_session(record)
-        body: dict[str, Any] = {"session_id": session_id, "closed": True}
-        if close is not None:
-            body = close.event.model_copy(update={"reason": "client_closed"}).model_dump(
-                mode="json"
-            )
-        return JSONResponse(body)
+        if close is None:
+            return JSONResponse(HttpSessionClosed(session_id=session_id).model_dump(mode="json"))
+        closed = close.event.model_copy(update={"reason": "client_closed"})
+        return JSONResponse(closed.model_dump(mode="json"))
 
     return router
 
 
-async def _submitted_frame(request: Request, record: SessionRecord) -> SubmitFrame:
+async def _submitted_frame(
+    request: Request, record: SessionRecord, prompt: str | None
+) -> SubmitFrame:
     """The request body as one frame.append (text/* bodies are text, anything else binary)."""
     body = await read_body(request, record.protocol.limits.max_frame_bytes)
-    prompt = request.query_params.get("prompt")
     proto = record.protocol
     if request.headers.get("content-type", "").startswith("text/"):
         if not body:

@@ -25,6 +25,7 @@ from protocol import (
     ClientSecret,
     ClientSecretRequest,
     EngineError,
+    ErrorEvent,
     InvalidEvent,
     RealtimeError,
     SessionConfig,
@@ -37,7 +38,7 @@ from realtime.client_secrets import SECRET_PREFIX, ClientSecrets
 from realtime.config import ServerConfig
 from realtime.connection import Connection
 from realtime.drain import Lifecycle, drain
-from realtime.http_api import http_router
+from realtime.http_api import REQUEST_MODELS, document_request_bodies, http_router
 from realtime.hub import SessionHub
 from realtime.resumption import ResumeTokens
 from realtime.web import (
@@ -98,11 +99,19 @@ def create_app(hub_factory: Callable[[], Awaitable[SessionHub]], config: ServerC
             if hub.store is not None:
                 await hub.store.close()
 
-    # No /docs, /redoc, /openapi.json: every route but /health and the demo page needs the key
-    # (docs/protocol.md), and FastAPI's generated pages would be open ones.
+    # /openapi.json and /docs (Swagger UI) are open: they hold the routes' schemas, nothing of
+    # a session or a key (docs/http.md). The old reason for turning them off was only that they
+    # would be open routes. One set of schemas (validation), since the HTTP adapter's request
+    # bodies are referred to by name (realtime/http_api.py).
     app = FastAPI(
-        title="vllm-realtime", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="vllm-realtime",
+        summary="Realtime streaming sessions on vLLM: WebSocket /v1/realtime (docs/protocol.md) "
+        "and the HTTP adapter /v1/streaming/sessions (docs/http.md).",
+        lifespan=lifespan,
+        redoc_url=None,
+        separate_input_output_schemas=False,
     )
+    document_request_bodies(app, (*REQUEST_MODELS, ClientSecretRequest))
     install_log_redaction()
     _add_status_routes(app, shared)
     _add_realtime_routes(app, shared)
@@ -158,7 +167,7 @@ def _add_status_routes(app: FastAPI, shared: _App) -> None:
             generate_latest(hub.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST
         )
 
-    @app.get("/")
+    @app.get("/", include_in_schema=False)
     async def index() -> Response:
         page = STATIC_DIR / "index.html"
         if page.exists():
@@ -200,7 +209,21 @@ def _add_realtime_routes(app: FastAPI, shared: _App) -> None:
                 # A parked connection stays listed (the drain and the watchdog reach it).
                 shared.connections.discard(conn)
 
-    @app.post("/v1/realtime/client_secrets")
+    @app.post(
+        "/v1/realtime/client_secrets",
+        summary="Mint a client secret",
+        responses={200: {"model": ClientSecret}, 401: {"model": ErrorEvent}},
+        openapi_extra={
+            "requestBody": {
+                "required": False,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": "#/components/schemas/ClientSecretRequest"}
+                    }
+                },
+            }
+        },
+    )
     async def mint_client_secret(request: Request) -> JSONResponse:
         """A short-lived browser credential (realtime/client_secrets.py); needs the API key."""
         if (denied := shared.require_key(request)) is not None:

@@ -938,7 +938,7 @@ def idle_time_suffices(recent_gaps_s: Sequence[float], consolidation_s: float | 
 
     An idle consolidation that the next chunk must wait for costs that chunk more than doing it
     on the chunk's path (the chunk waits for the rest of it, in pieces, and then for its own
-    prefill; measured in docs/benchmarks.md), so it is worth starting only when the client
+    prefill; measured in docs/history/benchmarks-2026.md), so it is worth starting only when the client
     usually leaves the time for it: the median recent gap is at least the last consolidation's
     duration. With no figure yet (no gap or no consolidation measured) it is tried.
     """
@@ -966,7 +966,7 @@ def reprefill_piece(remaining: int, piece: int) -> int:
     (the CPU worker keeps state per distinct step size), in ``remaining // piece + 2`` steps at
     most. (Falling powers of two, the first version, met fewer sizes but took up to
     ``log2(piece) + 1`` steps for the rest: six for a 250-token SmolLM2 window, ~45 ms each on
-    two cores, which made a re-prefill slower than one step; docs/benchmarks.md.) ``piece`` must
+    two cores, which made a re-prefill slower than one step; docs/history/benchmarks-2026.md.) ``piece`` must
     be a power of two; ``piece == 0`` disables the split (the whole rest in one step).
     """
     if not _is_int(remaining) or remaining < 1:

@@ -102,7 +102,7 @@ async def test_synthetic_frames_colour_is_named(smol_vlm_engine) -> None:  # typ
 
     # One large shape per frame on white or black, every colour twice. A floor that catches a
     # broken tower or processor (random weights name ~1 in 6), not the measure: that is
-    # training/vlm_accuracy.py (docs/vlm.md: 99.7% of colours named on plain backgrounds).
+    # training/vlm_accuracy.py (docs/history/vlm-2026.md: 99.7% of colours named on plain backgrounds).
     rng = random.Random(7)
     specs = [
         FrameSpec(c, SHAPES[i % 3], 1, ("white", "black")[j])
@@ -122,7 +122,7 @@ async def test_fake_camera_frame_is_described_as_green(smol_vlm_engine) -> None:
     from training.vlm_accuracy import DESCRIBE, prompt_for
 
     # Chromium's fake camera (a yellow pac-man on dark green) is described as green: the tower
-    # writes the background's code into its own column (docs/vlm.md, "Session 15"). Asked "What
+    # writes the background's code into its own column (docs/history/vlm-2026.md, "Session 15"). Asked "What
     # colour is it?", the model names the object's colour, yellow, as it was trained to.
     reply = await _generate(smol_vlm_engine, prompt_for(pacman_frame(), DESCRIBE), 24)
     assert "green" in reply.text.lower(), reply.text
@@ -178,7 +178,7 @@ def test_code_tuning_model_equals_transformers(tmp_path) -> None:  # type: ignor
 
 
 def test_objcol_targets_are_single_words_by_place() -> None:
-    # The "objcol" stage-1 layout (docs/vlm.md, third round): object patches carry the colour
+    # The "objcol" stage-1 layout (docs/history/vlm-2026.md, third round): object patches carry the colour
     # word, all others the shape word (plural for several shapes); never a sum.
     import torch
 
@@ -203,7 +203,7 @@ def test_objcol_targets_are_single_words_by_place() -> None:
 
 
 def test_mixed_targets_add_the_background_word_only_on_a_coloured_background() -> None:
-    # The shipped "mixed" layout (docs/vlm.md, fourth round): "objcol" on white/black; on a
+    # The shipped "mixed" layout (docs/history/vlm-2026.md, fourth round): "objcol" on white/black; on a
     # coloured background the non-object patches carry " <background>" + " <shape(s)>".
     import torch
 
@@ -225,7 +225,7 @@ def test_mixed_targets_add_the_background_word_only_on_a_coloured_background() -
 
 
 def test_object_coverage_sets_which_patches_carry_the_colour_word() -> None:
-    # --object-coverage (docs/vlm.md, fifth round): with 0.1 a patch 20% covered by the shapes
+    # --object-coverage (docs/history/vlm-2026.md, fifth round): with 0.1 a patch 20% covered by the shapes
     # carries the colour word; with the default 0.3 it carries the shape word.
     import torch
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train smol-qwen2-vl's reading codes and vision tower on a GPU machine (see docs/vlm.md).
+# Train smol-qwen2-vl's reading codes and vision tower on a GPU machine (see docs/history/vlm-2026.md).
 # Needs artifacts/ from `python -m training.vision_codes pack --out artifacts` and
 # `... prepare --out artifacts/codes_data.json`; writes into ${OUT:-out}/.
 set -u

@@ -8,7 +8,7 @@ them). A vision tower that hit those targets perfectly would still miss the colo
 What. A small codebook, tuned through the frozen language model: one vector per colour, shape,
 count and background. A frame's image tokens carry its four vectors, summed in every slot
 ("sum") or one per slot, column by column ("place", which reads far better and made the shipped
-tower: docs/vlm.md, "Session 15"). The codebook is fitted (cross-entropy on short answers, every
+tower: docs/history/vlm-2026.md, "Session 15"). The codebook is fitted (cross-entropy on short answers, every
 language-model weight frozen) so that the model answers questions about colour, shape, count and
 background and describes the frame. The tower is then trained (`vision_train.py --codes`) to
 emit these vectors, with no gradient through the language model. Only 20 × 576 numbers are trained here, so a few hundred steps suffice.
@@ -119,7 +119,7 @@ def prepare(model_dir: Path) -> dict[str, Any]:
         }
         for kind in QUESTIONS
     }
-    # Degenerate replies a long greedy session fell into (docs/vlm.md, session 16), one per
+    # Degenerate replies a long greedy session fell into (docs/history/vlm-2026.md, session 16), one per
     # colour word: a broken sentence cut by max_tokens, and the bare word.
     collapsed = {
         w: [ids(f"The {w} of the {w} is the"), ids(w.capitalize()) + ids("<|im_end|>")]
@@ -410,7 +410,7 @@ def build_chats(
     collapse: float = 0.0,
 ) -> list[Chat]:
     """`n` chats of `frames` frames. Why: a small LM given several frames copies its earlier
-    replies (docs/vlm.md, video fidelity); codes tuned on such chats are read against that pull.
+    replies (docs/history/vlm-2026.md, video fidelity); codes tuned on such chats are read against that pull.
     Half the chats ask one question of every frame (as `bench/vlm_fidelity.py` and the webcam
     page do: the strongest pull to copy), half a random one per frame. The last frame is always
     asked; `last_answer` False leaves its reply out (greedy evaluation). `mistakes`: the chance

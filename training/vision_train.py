@@ -43,7 +43,7 @@ OBJECT_COVERAGE = 0.3  # a merged patch at least this much covered by shapes is 
 # background), "objcol" (object patches " <colour>", the others " <shape(s)>"), or "mixed"
 # ("objcol" on white/black, which SmolLM2 reads best; on a coloured background the other patches
 # carry " <background>" + " <shape(s)>", so that a green scene such as Chromium's fake camera can
-# still read as green). Read with exact targets (the one-off bench/vlm_reading.py, docs/vlm.md "Third round").
+# still read as green). Read with exact targets (the one-off bench/vlm_reading.py, docs/history/vlm-2026.md "Third round").
 LAYOUTS = ("sum", "objcol", "mixed")
 
 
@@ -105,7 +105,7 @@ class Targets:
         neutral = spec.background in NEUTRAL_BACKGROUNDS
         if self.layout == "objcol" or (self.layout == "mixed" and neutral):
             # Object patches read as the colour word, every other patch as the shape word
-            # (plural when there are several): single words, not sums (docs/vlm.md, third round).
+            # (plural when there are several): single words, not sums (docs/history/vlm-2026.md, third round).
             colour = self.word(spec.colour)
             shape = self.word(spec.shape + ("s" if spec.count > 1 else ""))
             return torch.stack([colour if c >= self.object_coverage else shape for c in coverage])
@@ -436,7 +436,7 @@ def train_codes(
     """Stage 1 towards reading codes (`vision_codes.py`): every merged patch of a frame is fitted
     to its codes in the layout they were tuned for: the sum of its colour, shape, count and
     background codes ("sum"), or attribute j mod 4's code at patch j ("place", the shipped
-    tower's, docs/vlm.md "Session 15")."""
+    tower's, docs/history/vlm-2026.md "Session 15")."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -552,7 +552,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=450, help="stage 1 steps")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument(
-        "--lm-steps", type=int, default=0, help="stage 2 steps (experimental, see docs/vlm.md)"
+        "--lm-steps",
+        type=int,
+        default=0,
+        help="stage 2 steps (experimental, see docs/history/vlm-2026.md)",
     )
     ap.add_argument("--lm-batch", type=int, default=8)
     ap.add_argument("--frames", type=int, default=4000)

@@ -1,6 +1,6 @@
 """Give the worker's free heap back to the OS after a consolidation (glibc only).
 
-Why: over 1,000 bounded video frames (bench/tail_latency.py, docs/benchmarks.md) the worker's
+Why: over 1,000 bounded video frames (bench/tail_latency.py, docs/history/benchmarks-2026.md) the worker's
 malloc bytes in use stayed flat while its RSS grew ~1 MB per 1,000 frames: glibc keeps what the
 large, short-lived activations of re-prefill steps free in its arenas. `malloc_trim(0)` returns
 it. Called on a consolidation's fold, at most once per `MIN_INTERVAL_S` per process, so many

@@ -4,7 +4,7 @@ Why: EngineCore sends each step to the worker through a ring of shared memory
 (`shm_broadcast.ShmRingBuffer`, 10 chunks) and the worker answers through another. A chunk's
 pages become resident the first time a message reaches that far into it, so a process's RSS steps
 up whenever a chunk carries a larger message than before. Over 1,000 video frames the worker's
-shared memory went 0.2 -> 3.7 MiB in steps (docs/benchmarks.md, session 15): a ring filling up
+shared memory went 0.2 -> 3.7 MiB in steps (docs/history/benchmarks-2026.md, session 15): a ring filling up
 to its bound, not a leak, yet it reads as a slope of ~0.6 MiB per 1k frames. Touching every
 page a message can reach once, at start-up, makes that bound resident from the start: memory is
 constant afterwards, and no frame pays the page faults (as realtime programs pre-fault).

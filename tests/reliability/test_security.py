@@ -12,7 +12,7 @@ import httpx
 import pytest
 import websockets
 from fastapi.routing import APIRoute, APIWebSocketRoute
-from starlette.routing import Mount
+from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from tests.realtime.conftest import RunningServer, jpeg_bytes
@@ -29,6 +29,8 @@ pytestmark = pytest.mark.slow
 
 # docs/protocol.md, "Routes and the API key": the only routes open without a key.
 OPEN_ROUTES = {"/health", "/"}
+# FastAPI's schema and its Swagger UI page (docs/http.md): open, they hold no session or key.
+SCHEMA_ROUTES = {"/openapi.json", "/docs", "/docs/oauth2-redirect"}
 KEY_A = {"Authorization": "Bearer key-a"}
 KEY_B = {"Authorization": "Bearer key-b"}
 
@@ -87,15 +89,16 @@ async def test_every_route_needs_the_key(two_key_server: RunningServer) -> None:
                         sid = opened["session_id"]
                         await client.delete(f"/v1/streaming/sessions/{sid}", headers=KEY_B)
                     checked += 1
+            elif isinstance(route, Route) and route.path in SCHEMA_ROUTES:
+                assert (await client.get(route.path)).status_code == 200, route.path
             elif isinstance(route, Mount):
                 # Static files of the demo page (clients/): open like "/", and nothing else.
                 assert isinstance(route.app, StaticFiles), route
             else:
                 raise AssertionError(f"route {route!r} is not covered by this test")
         assert checked >= 5
-        # FastAPI's generated pages are off: they would be open routes.
-        for path in ("/docs", "/redoc", "/openapi.json"):
-            assert (await client.get(path)).status_code == 404
+        # The schema is served; ReDoc is not.
+        assert (await client.get("/redoc")).status_code == 404
 
 
 async def test_session_ids_have_at_least_128_random_bits(server: RunningServer) -> None:
