@@ -61,7 +61,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     413: {"model": ErrorEvent, "description": "frame_too_large: the body is over the limit"},
     429: {
         "model": ErrorEvent,
-        "description": "capacity_exceeded (also while draining) or rate_limited",
+        "description": "capacity_exceeded (also while draining)",
     },
     503: {"model": ErrorEvent, "description": "engine_error"},
 }
@@ -101,7 +101,7 @@ _FRAME_DOC: dict[str, Any] = {
         200: {"model": ResponseDoneEvent, "description": "the frame's response.done"},
         404: {"model": ErrorEvent, "description": "session_not_found"},
         409: {"model": ErrorEvent, "description": "chunk_in_flight: a frame is in flight"},
-        **_ERRORS,
+        **{code: _ERRORS[code] for code in (400, 401, 413)},
         503: {"model": HttpFrameError, "description": "engine_error; the session is closed"},
     },
     "openapi_extra": _FRAME_BODY,

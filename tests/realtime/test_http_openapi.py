@@ -51,6 +51,7 @@ def test_the_adapter_routes_name_their_bodies() -> None:
     assert _ref(frame["responses"]["200"]) == "ResponseDoneEvent"
     assert _ref(frame["responses"]["409"]) == "ErrorEvent"  # chunk_in_flight
     assert _ref(frame["responses"]["503"]) == "HttpFrameError"
+    assert "429" not in frame["responses"]  # admission is at open; HTTP has no frame-rate limit
     assert {p["name"] for p in frame["parameters"]} == {"session_id", "prompt"}
 
     close = paths["/v1/streaming/sessions/{session_id}"]["delete"]

@@ -202,14 +202,19 @@ async def test_http_adapter_round_trip(server: RunningServer) -> None:
         r = await client.post("/v1/streaming/sessions", json={"sampling": {"max_tokens": 3}})
         assert r.status_code == 200, r.text
         sid = r.json()["session_id"]
-        for i in range(2):
+        prefilled = []
+        for i, params in enumerate(({}, {"prompt": "What colour is the circle?"})):
             r = await client.post(
                 f"/v1/streaming/sessions/{sid}/frame",
-                content=jpeg_bytes(i),
+                content=jpeg_bytes(0),
                 headers={"content-type": "image/jpeg"},
+                params=params,
             )
             assert r.status_code == 200, r.text
             assert r.json()["type"] == "response.done" and r.json()["frame_index"] == i
+            prefilled.append(r.json()["usage"]["prompt_tokens"])
+        # The same image twice: `?prompt=` (docs/http.md) adds its tokens to the second chunk.
+        assert prefilled[1] > prefilled[0], prefilled
         r = await client.post("/v1/streaming/sessions/nope/frame", content=b"x")
         assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
         r = await client.delete(f"/v1/streaming/sessions/{sid}")
