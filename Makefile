@@ -1,7 +1,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint unit bench types
+.PHONY: setup run test lint unit bench types compat
 
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh scripts/torchvision_cpu_shim.py
 	bash scripts/setup.sh
@@ -30,3 +30,17 @@ unit: setup
 types: setup
 	$(BIN)/python -m protocol.schema > clients/js/protocol.schema.json
 	cd clients/js && npm run --silent types
+
+## The tests that need no model runner (marker `compat`), against the code of each later
+## supported vLLM (its Python package, unpacked under .compat/ by scripts/setup.sh).
+COMPAT_VLLM_VERSIONS ?= 0.33.0 0.34.0
+
+.compat/vllm-%/vllm/__init__.py:
+	COMPAT_ONLY=1 COMPAT_VLLM_VERSIONS=$* bash scripts/setup.sh
+
+compat: setup $(foreach v,$(COMPAT_VLLM_VERSIONS),.compat/vllm-$(v)/vllm/__init__.py)
+	@for v in $(COMPAT_VLLM_VERSIONS); do \
+	  echo "compat: vLLM $$v"; \
+	  VLLM_TARGET_DEVICE=cpu PYTHONPATH="$(CURDIR)/.compat/vllm-$$v:$(CURDIR)" \
+	    $(BIN)/python -m pytest -m compat $(PYTEST_ARGS) || exit 1; \
+	done

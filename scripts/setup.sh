@@ -6,6 +6,41 @@ VENV="${VENV:-.venv}"
 PY="${PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
 
+# The Python package of each later supported vLLM, for `make compat` (the tests that need no
+# model runner, run against that release's own scheduler, KV cache manager, Request and AsyncLLM
+# over our CPU torch). Only the wheel (no dependencies), unpacked under .compat/vllm-<version>/
+# without its compiled CUDA kernels (nothing there runs them). Skipped when already there.
+COMPAT_VLLM_VERSIONS="${COMPAT_VLLM_VERSIONS:-0.33.0 0.34.0}"
+compat_vllm() {
+  local version dest tmp
+  for version in $COMPAT_VLLM_VERSIONS; do
+    dest=".compat/vllm-$version"
+    [ -f "$dest/vllm/__init__.py" ] && continue
+    tmp="$(mktemp -d)"
+    "${PIP[@]}" download -q --no-deps --dest "$tmp" "vllm==$version"
+    rm -rf "$dest" "$dest.partial"
+    "$VENV/bin/python" - "$tmp" "$dest" <<'PY'
+import pathlib, sys, zipfile
+(wheel,) = pathlib.Path(sys.argv[1]).glob("vllm-*.whl")
+with zipfile.ZipFile(wheel) as z:
+    names = [
+        n for n in z.namelist()
+        if n.startswith("vllm/") and not n.endswith(".so") and n != "vllm/vllm-rs"
+    ]
+    z.extractall(sys.argv[2] + ".partial", names)
+pathlib.Path(sys.argv[2] + ".partial").rename(sys.argv[2])  # whole, or not there at all
+PY
+    rm -rf "$tmp"
+    echo "setup: vLLM $version's Python package in $dest (make compat)"
+  done
+}
+
+if [ "${COMPAT_ONLY:-0}" = 1 ]; then  # `make compat` when .compat/ is missing
+  PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+  compat_vllm
+  exit 0
+fi
+
 # System tools the test suite drives: Debian's chromium (the demo page's browser test; no
 # browser is downloaded), ffmpeg (the webcam script), nginx (the scale-out router config,
 # run for real) and redis-server (the shared session store's tests). Installed once, where
@@ -72,5 +107,6 @@ if command -v npm >/dev/null 2>&1 \
   (cd clients/js && npm ci --no-audit --no-fund --loglevel=error) \
     || echo "setup: npm ci in clients/js failed; the browser test will skip"
 fi
+compat_vllm
 touch "$VENV/.setup-done"
 echo "setup: done"

@@ -147,7 +147,10 @@ def vllm_capabilities() -> VLLMCapabilities:
     from vllm.v1.engine import async_llm, output_processor
     from vllm.v1.request import Request
 
-    add_streaming = _names_read(async_llm.AsyncLLM._add_streaming_input_request.__code__)
+    # vLLM's own methods, not our wrappers of them (streaming.py sets `__wrapped__`).
+    add_streaming = _names_read(
+        inspect.unwrap(async_llm.AsyncLLM._add_streaming_input_request).__code__
+    )
     collector: type[Any] = output_processor.RequestOutputCollector
     upstream = getattr(output_processor, "StreamingInputOutputCollector", None)
     if isinstance(upstream, type) and upstream.__name__ in add_streaming:
@@ -158,7 +161,7 @@ def vllm_capabilities() -> VLLMCapabilities:
         fold_keeps_all_but_last=_fold_keeps_all_but_last(),
         streaming_collector=collector,
         terminal_abort_error="ABORT"
-        in _names_read(output_processor.OutputProcessor.process_outputs.__code__),
+        in _names_read(inspect.unwrap(output_processor.OutputProcessor.process_outputs).__code__),
         stream_liveness_check="has_request" in add_streaming,
         token_buffer=_module_exists("vllm.v1.token_buffer"),
         block_map_holds_ids="blocks" in inspect.signature(BlockHashToBlockMap).parameters,

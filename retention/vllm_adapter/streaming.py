@@ -316,6 +316,7 @@ def _make_add_streaming_input_request(original: AddStreamingFn) -> AddStreamingF
         return stream
 
     _add_streaming_input_request.__doc__ = original.__doc__
+    _add_streaming_input_request.__wrapped__ = original  # type: ignore[attr-defined]  # vLLM's, for capabilities.py
     return _add_streaming_input_request
 
 
@@ -360,6 +361,7 @@ def _make_add_request(original: AddRequestFn) -> AddRequestFn:
         queue.chunks_sent += chunk
 
     _add_request.__doc__ = original.__doc__
+    _add_request.__wrapped__ = original  # type: ignore[attr-defined]  # vLLM's, for capabilities.py
     return _add_request
 
 
@@ -417,6 +419,7 @@ def _make_abort(original: AbortFn) -> AbortFn:
             await original(self, request_id, internal)
 
     abort.__doc__ = original.__doc__
+    abort.__wrapped__ = original  # type: ignore[attr-defined]  # vLLM's, for capabilities.py
     return abort
 
 
@@ -480,6 +483,7 @@ def _make_process_outputs(original: ProcessOutputsFn) -> ProcessOutputsFn:
         return result
 
     process_outputs.__doc__ = original.__doc__
+    process_outputs.__wrapped__ = original  # type: ignore[attr-defined]  # vLLM's, for capabilities.py
     return process_outputs
 
 
@@ -505,6 +509,7 @@ def install_streaming_hardening() -> None:
 
     if getattr(AsyncLLM, _INSTALLED_ATTR, False):
         return
+    vllm_capabilities()  # detected on vLLM's own methods, before they are wrapped
     # (a, c) our collector for streaming sessions, registered for `abort`.
     AsyncLLM._add_streaming_input_request = _make_add_streaming_input_request(
         AsyncLLM._add_streaming_input_request

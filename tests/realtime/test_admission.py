@@ -45,6 +45,9 @@ from retention.policy import (
     plan_eviction,
 )
 
+# Needs no model runner: `make compat` also runs it against every supported vLLM.
+pytestmark = pytest.mark.compat
+
 
 @st.composite
 def scenarios(

@@ -215,7 +215,7 @@ class FakeEngineCore:
                     break
             await self._wake.wait()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         if self._loop is not None:
             self._loop.cancel()
 

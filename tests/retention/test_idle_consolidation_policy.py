@@ -16,6 +16,9 @@ from retention.policy import (
     reprefill_pieces,
 )
 
+# Needs no model runner: `make compat` also runs it against every supported vLLM.
+pytestmark = pytest.mark.compat
+
 POWERS = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 

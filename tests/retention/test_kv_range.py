@@ -49,6 +49,9 @@ from retention.vllm_adapter.kv_range import (
     is_prefix_caching_frozen,
 )
 
+# Needs no model runner: `make compat` also runs it against every supported vLLM.
+pytestmark = pytest.mark.compat
+
 init_none_hash(sha256)
 
 MAX_MODEL_LEN = 100_000

@@ -26,6 +26,9 @@ from retention.policy import (
 )
 from tests.strategies import Scenario, budgets, partial_frees, scenarios
 
+# Needs no model runner: `make compat` also runs it against every supported vLLM.
+pytestmark = pytest.mark.compat
+
 # --------------------------------------------------------------------------- helpers
 
 

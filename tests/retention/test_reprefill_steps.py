@@ -10,6 +10,9 @@ import pytest
 from retention.policy import REQUEST_ARGS_KEY, reprefill_pieces
 from retention.vllm_adapter.eviction import RetentionConfigError, SessionRetention
 
+# Needs no model runner: `make compat` also runs it against every supported vLLM.
+pytestmark = pytest.mark.compat
+
 
 def fake_request(request_id: str = "s", prompt: int = 40) -> Any:
     params = SimpleNamespace(

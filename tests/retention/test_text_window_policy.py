@@ -13,6 +13,9 @@ from retention.policy import (
     plan_eviction,
 )
 
+# Needs no model runner: `make compat` also runs it against every supported vLLM.
+pytestmark = pytest.mark.compat
+
 
 def run_rounds(history: SessionHistory, budget: RetentionBudget, bs: int) -> SessionHistory:
     for plan_round in eviction_rounds(budget):
