@@ -313,9 +313,13 @@ def start_engine(settings: EngineSettings, platform: EnginePlatform | None = Non
         # Before anything reads it: vLLM reads the switch lazily, here and in the engine's
         # processes (spawned, so they inherit this environment).
         log.info("%s", select_model_runner(os.environ, has_v1_model_runner()))
-    from retention.vllm_adapter import check_vllm_version
+    from retention.vllm_adapter import check_serving_support, check_vllm_version
 
     check_vllm_version()
+    if retention_on(settings):
+        # A vLLM the worker hooks are not executed on (0.33, 0.34) stops here, in the front
+        # end, naming why, instead of in EngineCore's start-up.
+        check_serving_support()
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = build_engine_args(settings, platform)
