@@ -181,6 +181,9 @@ def chunk_position_function(model_config: Any) -> PositionFunction:
     # nn.Module.__setattr__ on an instance without its dicts falls through to object's.
     positions_only.config = model_config.hf_config
     function: PositionFunction = positions_only.get_mrope_input_positions
+    # Fail at start-up, not at a session's first fold, where a model's function needs more
+    # than its config (a family these hooks were not proven on).
+    function([0, 1], [])
     return function
 
 

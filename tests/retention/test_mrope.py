@@ -423,3 +423,15 @@ def test_position_excess_is_what_a_scaled_clip_spans_beyond_its_tokens() -> None
     # An image never outgrows its tokens; text alone has no items.
     assert chunk_excess(positions, tokens[:7], [image_feature(3, 2, 2, "i")]) == 0
     assert chunk_excess(positions, [1, 2, 3], []) == 0
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-qwen2.5-vl"])
+def test_scheduler_binds_each_family_position_function_without_weights(name: str) -> None:
+    from vllm.config import ModelConfig
+
+    from realtime.models import build_model
+    from retention.vllm_adapter.mrope import chunk_position_function
+
+    function = chunk_position_function(ModelConfig(model=str(build_model(name)), dtype="float32"))
+    positions, delta = function([5, 6, 7], [])
+    assert positions.tolist() == [[0, 1, 2]] * 3 and delta == 0
