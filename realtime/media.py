@@ -8,6 +8,8 @@ from typing import Any
 from protocol import UndecodableFrame
 
 MAX_CLIP_FRAMES = 16
+# A clip whose container names no frame rate is read at Qwen-VL's default sampling rate.
+DEFAULT_CLIP_FPS = 2.0
 MAX_IMAGE_PIXELS = 4096 * 4096  # refuse decompression bombs before decoding
 # A clip's frames together: without a total, 16 frames of 4096×4096 passed the per-frame check
 # and a few-kB clip decoded to ~800 MB of RGB (twice that once stacked) per session.
@@ -51,14 +53,21 @@ def decode_clip(
     max_frames: int = MAX_CLIP_FRAMES,
     max_pixels: int = MAX_CLIP_PIXELS,
 ) -> Any:
-    """A short clip → uint8 array (T, H, W, 3), T even (Qwen-VL pairs frames in time)."""
+    """A short clip → ``(frames, metadata)``: a uint8 array (T, H, W, 3), T even (Qwen-VL pairs
+    frames in time), and the metadata vLLM's Qwen2.5-VL and Qwen3-VL processors require
+    ("Video metadata is required" otherwise): its frame rate, duration and frame indices, with
+    the processor's own frame sampling off (the clip is what the client chose to send)."""
     import av
     import numpy as np
 
     frames: list[Any] = []
     total = 0
+    fps = DEFAULT_CLIP_FPS
     try:
         with av.open(io.BytesIO(data)) as container:
+            rate = container.streams.video[0].average_rate
+            if rate is not None and float(rate) > 0:
+                fps = float(rate)
             for frame in container.decode(video=0):
                 _check_shape(frame.width, frame.height, event_id)
                 total += frame.width * frame.height
@@ -77,6 +86,15 @@ def decode_clip(
         ) from None
     if not frames:
         raise UndecodableFrame("clip has no video frames", event_id=event_id)
-    if len(frames) % 2:
+    decoded = len(frames)
+    if decoded % 2:
         frames.append(frames[-1])
-    return np.stack(frames)
+    metadata = {
+        "fps": fps,
+        "duration": decoded / fps,
+        "total_num_frames": len(frames),
+        "frames_indices": [*range(decoded), *([decoded - 1] if len(frames) > decoded else [])],
+        "video_backend": "pyav",
+        "do_sample_frames": False,
+    }
+    return np.stack(frames), metadata

@@ -102,9 +102,11 @@ def check_media(kind: str, data: bytes) -> str | None:
     """Decode a payload as the server does before the engine sees it; None if it decoded."""
     try:
         if kind == "video":
-            clip = decode_clip(data, max_frames=4)
+            clip, meta = decode_clip(data, max_frames=4)
             if clip.ndim != 4 or clip.shape[0] % 2 or clip.shape[-1] != 3:
                 raise OracleViolation(f"clip decoded to shape {clip.shape}")
+            if len(meta["frames_indices"]) != clip.shape[0] or meta["fps"] <= 0:
+                raise OracleViolation(f"clip metadata {meta} does not describe its frames")
         else:
             img = decode_image(data)
             if img.mode != "RGB" or img.width < 1 or img.height < 1:

@@ -105,7 +105,11 @@ def test_oversized_image_headers(width: int, height: int) -> None:
 def test_clip_pixel_budget_refuses_large_clips() -> None:
     """Fix in realtime/media.py: a clip's frames together are capped, not only each one."""
     kind, clip = fc.media_seeds()["mp4"]  # 3 frames of 32×32
-    assert decode_clip(clip).shape[0] == 4  # padded to an even count
+    frames, meta = decode_clip(clip)
+    assert frames.shape[0] == 4  # padded to an even count
+    # What Qwen2.5-VL / Qwen3-VL processors need: the clip's rate, its frames, no resampling.
+    assert meta["total_num_frames"] == 4 and meta["frames_indices"] == [0, 1, 2, 2]
+    assert meta["do_sample_frames"] is False and meta["fps"] > 0
     with pytest.raises(UndecodableFrame):
         decode_clip(clip, max_pixels=2 * 32 * 32)
     assert fc.check_media(kind, clip) is None

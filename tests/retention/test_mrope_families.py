@@ -286,3 +286,26 @@ async def test_endurance_1000_frames_bounded_and_no_leak(engine: Any, family: Fa
         await asyncio.sleep(0.05)
     assert session.request_id not in worker["mrope_columns_by_request"]
     assert await retention_state(engine, session.request_id) is None
+
+
+async def test_the_servers_clip_chunk_runs_on_the_family(engine: Any, family: Family) -> None:
+    """What the server sends for a clip chunk (realtime.media.decode_clip's frames and their
+    metadata, which Qwen2.5-VL and Qwen3-VL require) is accepted and answered."""
+    from vllm import SamplingParams
+
+    from protocol import Frame, SessionConfig
+    from realtime.engine_session import chat_format_of, render_chunk
+    from tests.reliability.fuzzcore import _clip
+
+    clip = _clip("mp4", "mpeg4", frames=3, size=64)
+    frame = Frame(0, None, "video", "mp4", clip, None, "what?", None)
+    prompt = render_chunk(
+        frame, SessionConfig(), chat=chat_format_of(engine), first=True, multimodal=True
+    )
+    final = None
+    async for out in engine.generate(
+        prompt, SamplingParams(max_tokens=2, temperature=0.0), request_id=f"clip-{family.model}"
+    ):
+        final = out
+    assert final is not None and final.finished
+    assert len(final.outputs[0].token_ids) >= 1 and len(final.prompt_token_ids or []) > 16
