@@ -19,6 +19,21 @@ most image tokens a frame can be) with a prompt filling the text cap. Reported:
   response.done.retention.kv_blocks_held, and EngineCore at the end);
 * preemptions (engine-side counter of every session), stalls (a chunk that failed or took
   longer than `--stall-s`), blocks leaked after every session closed.
+
+Camera capacity (`--camera URL`): against a running server (`vllm-realtime serve`), N clients
+open sessions the way the page does (realtime/static/app.js: instructions, a window, max_tokens,
+resumable; `--declare` adds the page's `limits`), and each offers one 224×224 JPEG a second
+(`--fps`; a text turn on a text model), skipping a tick while its previous reply is in flight,
+as the page does. For N in `--levels` (each level a fresh set of sessions, `--seconds` long;
+choose them to pass the first refusal):
+
+    vllm-realtime serve &
+    .venv/bin/python -m bench.capacity --camera ws://127.0.0.1:8000/v1/realtime \
+        --levels 1,4,8,12,16,20 --json docs/bench/camera-capacity.json
+
+Reported per level: admitted, refused (and the first refusal's message), p50/p99 per frame
+(send to response.done), the share of offered frames answered, KV blocks the sessions hold
+(their last response.done), and the machine's load average.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import base64
 import io
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -215,6 +231,142 @@ async def _preemptions_and_settle(
     return preemptions, free
 
 
+PAGE_INSTRUCTIONS = "You watch a camera. In one short sentence, say what you see."
+
+
+def _camera_open(args: argparse.Namespace, text: bool) -> dict[str, Any]:
+    """session.open as the page sends it (realtime/static/app.js, openSession)."""
+    event: dict[str, Any] = {
+        "type": "session.open",
+        "instructions": PAGE_INSTRUCTIONS,
+        "retention": {"window_chunks": args.window},
+        "sampling": {"max_tokens": args.max_tokens},
+        "resumable": {"grace_s": 30},
+    }
+    if text:
+        event["modality"] = "text"
+    if args.declare:
+        event["limits"] = {"max_clip_frames": 1, "frames_per_s": args.fps}
+    return event
+
+
+def _camera_frame(n: int, text: bool) -> dict[str, Any]:
+    if text:
+        return {"type": "frame.append", "text": f"Frame {n}: a person walks past the door."}
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(n % 8).integers(0, 255, (224, 224, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="JPEG", quality=80)
+    return {"type": "frame.append", "image": base64.b64encode(buf.getvalue()).decode()}
+
+
+async def _camera_client(
+    url: str, args: argparse.Namespace, stats: dict[str, Any], stop: float
+) -> None:
+    """One camera: open, then offer a frame every 1/fps s until `stop`, skipping a tick while
+    the previous reply is in flight (the page's `client.busy`)."""
+    import websockets
+
+    async with websockets.connect(url, subprotocols=SUBPROTOCOLS, max_size=None) as ws:
+        created = await _recv(ws)
+        text = created["limits"].get("max_clip_frames") is None
+        await ws.send(json.dumps(_camera_open(args, text)))
+        opened = await _recv(ws)
+        if opened["type"] != "session.opened":
+            stats["refused"].append(opened["error"]["code"] + ": " + opened["error"]["message"])
+            return
+        stats["admitted"] += 1
+        frames = [_camera_frame(n, text) for n in range(8)]
+        period = 1.0 / args.fps
+        busy: asyncio.Task[None] | None = None
+        n = 0
+
+        async def one(event: dict[str, Any]) -> None:
+            t0 = time.perf_counter()
+            await ws.send(json.dumps(event))
+            while (done := await _recv(ws))["type"] not in ("response.done", "error"):
+                pass
+            if done["type"] == "response.done" and done["status"] in ("completed", "incomplete"):
+                stats["latencies"].append(time.perf_counter() - t0)
+                stats["blocks"][id(ws)] = int(done["retention"]["kv_blocks_held"])
+            else:
+                stats["failed"] += 1
+
+        next_tick = time.perf_counter()
+        while next_tick < stop:
+            await asyncio.sleep(max(0.0, next_tick - time.perf_counter()))
+            next_tick += period
+            stats["offered"] += 1
+            if busy is not None and not busy.done():
+                continue  # skipped: the previous frame's reply is still in flight
+            busy = asyncio.create_task(one(frames[n % len(frames)]))
+            n += 1
+        if busy is not None:
+            await busy
+        # Closed, not dropped: a dropped resumable session would keep its reservation 30 s.
+        await ws.send(json.dumps({"type": "session.close"}))
+        while (await _recv(ws))["type"] != "session.closed":
+            pass
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 1)
+
+
+async def _camera_level(url: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    stats: dict[str, Any] = {
+        "admitted": 0, "refused": [], "latencies": [], "offered": 0, "failed": 0, "blocks": {},
+    }  # fmt: skip
+    stop = time.perf_counter() + args.seconds
+    # Staggered within one period, as independent cameras are.
+    clients = []
+    for _ in range(n):
+        clients.append(asyncio.create_task(_camera_client(url, args, stats, stop)))
+        await asyncio.sleep(1.0 / args.fps / n)
+    await asyncio.gather(*clients)
+    offered = stats["offered"]
+    # Offered ticks of admitted sessions only; a refused session offered nothing.
+    answered = len(stats["latencies"])
+    return {
+        "sessions": n,
+        "admitted": stats["admitted"],
+        "refused": len(stats["refused"]),
+        "refusal": stats["refused"][0] if stats["refused"] else None,
+        "p50_ms": _percentile(stats["latencies"], 0.50),
+        "p99_ms": _percentile(stats["latencies"], 0.99),
+        "offered": offered,
+        "answered": answered,
+        "answered_share": round(answered / offered, 3) if offered else None,
+        "failed": stats["failed"],
+        "kv_blocks_held": sum(stats["blocks"].values()),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+async def camera(args: argparse.Namespace) -> dict[str, Any]:
+    levels: list[dict[str, Any]] = []
+    for n in args.levels:
+        level = await _camera_level(args.camera, n, args)
+        print(json.dumps(level), flush=True)
+        levels.append(level)
+        await asyncio.sleep(2)  # the closed sessions' blocks go back to the pool
+    return {
+        "url": args.camera,
+        "declared": args.declare,
+        "window_chunks": args.window,
+        "max_tokens": args.max_tokens,
+        "fps": args.fps,
+        "seconds_per_level": args.seconds,
+        "cpus": os.cpu_count(),
+        "levels": levels,
+    }
+
+
 def _kv_bytes_per_token(model: str) -> int:
     from realtime.models import model_dir
 
@@ -261,9 +413,20 @@ def main() -> None:
         help="size the KV pool to this many blocks (fp32); default: vLLM's default KV size",
     )
     parser.add_argument("--stall-s", type=float, default=120.0)
+    parser.add_argument("--camera", default=None, help="camera capacity against this server URL")
+    parser.add_argument("--levels", type=lambda v: [int(x) for x in v.split(",")], default=None)
+    parser.add_argument("--seconds", type=float, default=30.0, help="camera: seconds per level")
+    parser.add_argument("--fps", type=float, default=1.0, help="camera: frames offered per second")
+    parser.add_argument(
+        "--declare", action="store_true", help="camera: open with the page's limits"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    result = asyncio.run(run(args))
+    if args.camera:
+        args.levels = args.levels or [1, 4, 8, 12, 16, 20]
+        result = asyncio.run(camera(args))
+    else:
+        result = asyncio.run(run(args))
     out = json.dumps(result, indent=2)
     print(out)
     if args.json is not None:

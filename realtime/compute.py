@@ -26,8 +26,9 @@ upper bound on a video frame's (its prompt tokens include the vision encoder's w
 Only chunks that had the engine to themselves are measured (no other chunk in flight from
 their start to their end): under load a chunk's time to first token is mostly queueing behind
 other chunks, which is latency, not cost. Each kind keeps the median of its last `window`
-samples, so a machine that gets slower (other tenants, thermal) is followed within a minute.
-The server measures a few chunks of each kind at start-up, before it admits anyone.
+samples, so a machine that gets slower or faster (other tenants) is followed within a few
+seconds of chunks alone. The server measures a few chunks of each kind at start-up, before it
+admits anyone; a session that finds no other open is always admitted (its chunks measure again).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class CostModel:
 
     `pinned` costs (an operator's, or a test's) are used as they are and never measured."""
 
-    window: int = 32
+    window: int = 16
     pinned: dict[ChunkKind, ChunkCost] = field(default_factory=dict)
     _samples: dict[ChunkKind, deque[ChunkCost]] = field(default_factory=dict)
 
@@ -133,10 +134,12 @@ def compute_problem(
     """Why the engine's time cannot take `new` beside the open sessions, or None.
 
     The sessions already open are never refused here: a cost that grew after they were
-    admitted (a slower machine) only stops new sessions."""
+    admitted (a slower machine) only stops new sessions. With none open a session is always
+    admitted: it slows no one, and its chunks (alone on the engine) measure the cost again,
+    so a cost measured during a burst of other load cannot lock every session out."""
     loads = list(open_sessions)
     held = sum(s.load for s in loads)
-    if held + new.load <= headroom:
+    if not loads or held + new.load <= headroom:
         return None
     return (
         f"the engine's compute cannot serve another session: the {len(loads)} open sessions "
