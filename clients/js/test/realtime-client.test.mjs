@@ -449,7 +449,9 @@ const DONE = (index, text = "ok") => ({
 });
 
 async function resilient(options = {}) {
-  const { client, ws } = await connected({ retryBackoffMs: 1, ...options });
+  // A short handshake deadline: a client a test leaves reconnecting to a fake that never
+  // answers gives up in seconds, not after 8 attempts of 10 s (which kept node --test alive).
+  const { client, ws } = await connected({ retryBackoffMs: 1, openTimeoutMs: 500, ...options });
   const open = client.open({ resumable: { grace_s: 30 }, sampling: { max_tokens: 8 } });
   ws.emit({
     type: "session.opened",
