@@ -114,11 +114,10 @@ def reply_format(kind: str) -> dict[str, Any]:
     if kind == "free":
         return {}
     if kind == "describe":  # every tuned description: colour, shape, count and background
-        from training.vision_codes import all_specs, answer
+        from training.page_formats import describe_format
 
-        sentences = sorted({answer("describe", s) for s in all_specs()})
-    else:
-        sentences = [f"The colour is {c}." for c in COLOURS]
+        return {"response_format": describe_format()}  # what the demo page sends by default
+    sentences = [f"The colour is {c}." for c in COLOURS]
     schema = {"type": "string", "enum": sentences}
     return {
         "response_format": {

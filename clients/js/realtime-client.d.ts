@@ -99,10 +99,17 @@ export interface WebSocketLike {
 export type WebSocketConstructor = new (url: string, protocols?: string | string[]) => WebSocketLike;
 
 export interface ClientOptions {
-  /** Sent as the subprotocol `vllm-realtime.auth.<key>`. */
+  /** The API key (or a client secret); where it goes: `apiKeyIn`. */
   apiKey?: string | null;
+  /**
+   * "header": `Authorization: Bearer <key>` in the handshake (the default in Node: Node's own
+   * WebSocket takes `{ protocols, headers }`, the `ws` package `(url, protocols, { headers })`).
+   * "subprotocol": offered as `vllm-realtime.auth.<key>` (the default in browsers, which
+   * cannot set headers).
+   */
+  apiKeyIn?: "header" | "subprotocol";
   /** Needed where there is no global WebSocket (Node 20): e.g. `(await import("ws")).WebSocket`. */
-  WebSocket?: WebSocketConstructor | (new (url: string, protocols?: string | string[]) => any);
+  WebSocket?: WebSocketConstructor | (new (url: string, protocols?: any, options?: any) => any);
   /** Default per reply (send → response.done), and for open(); 0 waits forever. Default 60000. */
   timeoutMs?: number;
   /** Handshake + session.created. Default 10000. */
@@ -144,6 +151,26 @@ export interface ClientStats {
   errors: number;
 }
 
+/**
+ * The reply to one chunk as it streams: `for await (const delta of stream)` yields its
+ * response.text.delta events and ends at response.done (then in `done`). The chunk is sent when
+ * iteration (or `result()`) starts. A refused chunk, a timeout or the session's end is thrown
+ * from the loop as a RealtimeError. Leaving the loop early does not cancel the reply.
+ */
+export declare class ResponseStream implements AsyncIterableIterator<ResponseTextDeltaEvent> {
+  /** The response.done, once iteration has ended. */
+  readonly done: ResponseDoneEvent | null;
+  /** The reply's text streamed so far. */
+  readonly text: string;
+  /** The chunk has been sent. */
+  readonly started: boolean;
+  [Symbol.asyncIterator](): ResponseStream;
+  next(): Promise<IteratorResult<ResponseTextDeltaEvent, undefined>>;
+  return(): Promise<IteratorResult<ResponseTextDeltaEvent, undefined>>;
+  /** Consume the rest of the stream and resolve with its response.done. */
+  result(): Promise<ResponseDoneEvent>;
+}
+
 export declare class RealtimeClient {
   /** Connect and wait for session.created. */
   static connect(url: string, options?: ClientOptions): Promise<RealtimeClient>;
@@ -151,6 +178,8 @@ export declare class RealtimeClient {
 
   readonly url: string;
   timeoutMs: number;
+  /** Where the API key travels (see ClientOptions.apiKeyIn). */
+  readonly apiKeyIn: "header" | "subprotocol";
   /** Settles on session.created (rejects with a RealtimeError, e.g. `connection_failed`). */
   readonly ready: Promise<RealtimeClient>;
   readonly created: SessionCreatedEvent | null;
@@ -199,6 +228,16 @@ export declare class RealtimeClient {
     data: FrameData | (() => FrameData | Promise<FrameData>),
     options?: FrameOptions,
   ): Promise<ResponseDoneEvent | null>;
+  /** Send a frame and stream its reply: `for await (const delta of client.streamFrame(jpeg))`. */
+  streamFrame(data: FrameData, options?: FrameOptions): ResponseStream;
+  /** A text turn, streamed. */
+  streamText(text: string, options?: ChunkOptions): ResponseStream;
+  /** A question between frames, its answer streamed. */
+  streamAsk(question: string, options?: ChunkOptions): ResponseStream;
+  /** Every server event from now on until the session ends; `break` unsubscribes. */
+  events(): AsyncIterableIterator<ServerEvent>;
+  /** `for await (const event of client)`: as events(). */
+  [Symbol.asyncIterator](): AsyncIterableIterator<ServerEvent>;
   cancel(): Promise<ResponseDoneEvent | null>;
   close(options?: { timeoutMs?: number }): Promise<SessionClosedEvent | null>;
 }

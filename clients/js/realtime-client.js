@@ -8,9 +8,15 @@
 // One connection carries one session; one chunk is in flight at a time (docs/protocol.md).
 // appendFrame() refuses to send while a reply is pending (a local `chunk_in_flight`, no round
 // trip); offerFrame() is the pacing helper for live sources: it sends when idle and drops (and
-// counts) the frame otherwise, so nothing queues. The API key travels as the subprotocol
-// `vllm-realtime.auth.<key>` next to `vllm-realtime`, because browsers cannot set headers.
-// In Node without a global WebSocket (Node 20), pass one: `{ WebSocket: (await import("ws")).WebSocket }`.
+// counts) the frame otherwise, so nothing queues. streamFrame() / streamText() / streamAsk()
+// return a ResponseStream, `for await (const delta of stream)`, and `for await (const event of
+// client.events())` reads every server event until the session ends.
+//
+// The API key: in browsers it travels as the subprotocol `vllm-realtime.auth.<key>` next to
+// `vllm-realtime`, because browsers cannot set headers; in Node as `Authorization: Bearer <key>`
+// (Node's own WebSocket and the `ws` package both take headers), so the key stays out of the
+// subprotocol list. In Node without a global WebSocket (Node 20), pass one:
+// `{ WebSocket: (await import("ws")).WebSocket }`.
 //
 // Resilient sessions: open with `resumable: { grace_s: N }` and the client resumes the session
 // after a dropped connection (at most `maxRetries` attempts, backoff from `retryBackoffMs`), and
@@ -52,6 +58,16 @@ export class RealtimeError extends Error {
       param: detail.param ?? null,
     });
   }
+}
+
+/** Node (or a runtime that looks like it), where a WebSocket handshake can carry headers. */
+const IN_NODE =
+  typeof process === "object" && process !== null && typeof process.versions?.node === "string" && typeof document === "undefined";
+
+/** Node's own WebSocket (undici's, global from Node 22) or a subclass of it. */
+function isUndiciWebSocket(WS) {
+  const native = IN_NODE ? globalThis.WebSocket : undefined;
+  return typeof native === "function" && (WS === native || WS.prototype instanceof native);
 }
 
 function localError(code, message, sessionSurvives = true) {
@@ -118,7 +134,11 @@ export class RealtimeClient {
       onEvent = null,
       maxRetries = 8,
       retryBackoffMs = 500,
+      apiKeyIn = IN_NODE ? "header" : "subprotocol",
     } = options;
+    if (apiKeyIn !== "header" && apiKeyIn !== "subprotocol") {
+      throw new TypeError(`apiKeyIn must be "header" or "subprotocol", not ${JSON.stringify(apiKeyIn)}`);
+    }
     if (typeof WS !== "function") {
       throw new TypeError("no WebSocket implementation: pass { WebSocket } (e.g. from the 'ws' package)");
     }
@@ -129,6 +149,7 @@ export class RealtimeClient {
     this.retryBackoffMs = retryBackoffMs;
     this._WS = WS;
     this._apiKey = apiKey;
+    this.apiKeyIn = apiKeyIn;
     this.generation = 1; // +1 for every new session opened after a drain or a refused resume
     this.resumes = 0; // successful session.resume
     this.draining = null; // the last server.draining
@@ -168,8 +189,16 @@ export class RealtimeClient {
   /** A new socket whose events reach this client only while it is the current one. */
   _dial() {
     const protocols = [SUBPROTOCOL];
-    if (this._apiKey) protocols.push(AUTH_SUBPROTOCOL_PREFIX + this._apiKey);
-    const ws = new this._WS(this.url, protocols);
+    let ws;
+    if (this._apiKey && this.apiKeyIn === "header") {
+      // Node's own WebSocket takes a WebSocketInit ({ protocols, headers }) as its second
+      // argument; the `ws` package takes (url, protocols, { headers }).
+      const headers = { Authorization: `Bearer ${this._apiKey}` };
+      ws = isUndiciWebSocket(this._WS) ? new this._WS(this.url, { protocols, headers }) : new this._WS(this.url, protocols, { headers });
+    } else {
+      if (this._apiKey) protocols.push(AUTH_SUBPROTOCOL_PREFIX + this._apiKey);
+      ws = new this._WS(this.url, protocols);
+    }
     ws.binaryType = "arraybuffer";
     ws.onopen = () => {
       if (ws === this._ws && ws.protocol && ws.protocol !== SUBPROTOCOL) {
@@ -313,6 +342,76 @@ export class RealtimeClient {
       this._starting = false;
     }
     return this._startTurn(prepared.fields, prepared.bytes, options);
+  }
+
+  /**
+   * Send one frame and stream its reply: `for await (const delta of client.streamFrame(jpeg))`
+   * yields each response.text.delta event; `stream.done` is then the response.done and
+   * `stream.text` the reply. The frame is sent when iteration starts (or at `stream.result()`).
+   * Options as appendFrame.
+   */
+  streamFrame(data, options = {}) {
+    return new ResponseStream((onDelta) => this.appendFrame(data, { ...options, onDelta }), options.onDelta);
+  }
+
+  /** As appendText, streamed: a ResponseStream of the text turn's reply. */
+  streamText(text, options = {}) {
+    return new ResponseStream((onDelta) => this.appendText(text, { ...options, onDelta }), options.onDelta);
+  }
+
+  /** As ask, streamed: a ResponseStream of the answer to a question between frames. */
+  streamAsk(question, options = {}) {
+    return new ResponseStream((onDelta) => this.ask(question, { ...options, onDelta }), options.onDelta);
+  }
+
+  /**
+   * Every server event from now on, in order, until the session ends (the socket closed for
+   * good; a resilient session's reconnections do not end it): `for await (const event of
+   * client.events())`. Each iterator gets every event; `break` unsubscribes.
+   */
+  events() {
+    const queue = [];
+    let ended = this._ended;
+    let wake = null;
+    const notify = () => {
+      if (wake) wake();
+      wake = null;
+    };
+    const offEvent = this.on("event", (event) => {
+      queue.push(event);
+      notify();
+    });
+    const offClose = this.on("close", () => {
+      ended = true;
+      notify();
+    });
+    const stop = () => {
+      offEvent();
+      offClose();
+      ended = true;
+      queue.length = 0;
+    };
+    return {
+      [Symbol.asyncIterator]() {
+        return this;
+      },
+      async next() {
+        while (queue.length === 0 && !ended) await new Promise((resolve) => (wake = resolve));
+        if (queue.length > 0) return { value: queue.shift(), done: false };
+        stop();
+        return { value: undefined, done: true };
+      },
+      async return() {
+        stop();
+        notify();
+        return { value: undefined, done: true };
+      },
+    };
+  }
+
+  /** `for await (const event of client)`: as client.events(). */
+  [Symbol.asyncIterator]() {
+    return this.events();
   }
 
   /** Cancel the reply in flight; resolves with its response.done (null if nothing was in flight). */
@@ -765,6 +864,101 @@ export class RealtimeClient {
       }
       this._emit("reopened", answer);
     }
+  }
+}
+
+/**
+ * The reply to one chunk as it streams (RealtimeClient.streamFrame/streamText/streamAsk), as the
+ * Python SDK's ResponseStream: an async iterator of its response.text.delta events, ending at
+ * response.done (then in `done`). Iteration throws the RealtimeError of a refused chunk (e.g. a
+ * local `chunk_in_flight`), of a timeout (the reply is cancelled) or of the session's end.
+ * Leaving the loop early does not cancel the reply (call client.cancel()); the rest still
+ * arrives, and `result()` waits for it.
+ */
+export class ResponseStream {
+  constructor(start, onDelta = null) {
+    this._start = start;
+    this._onDelta = onDelta;
+    this._promise = null;
+    this._items = [];
+    this._wake = null;
+    this._over = false;
+    this._error = null;
+    this._parts = [];
+    /** The response.done, once iteration has ended. */
+    this.done = null;
+  }
+
+  /** The reply's text streamed (yielded) so far. */
+  get text() {
+    return this._parts.join("");
+  }
+
+  /** Whether the chunk has been sent (iteration or result() started). */
+  get started() {
+    return this._promise !== null;
+  }
+
+  _push(item) {
+    this._items.push(item);
+    if (this._wake) this._wake();
+    this._wake = null;
+  }
+
+  _launch() {
+    const onDelta = (delta, textSoFar, event) => {
+      this._push({ delta: event });
+      if (this._onDelta) this._onDelta(delta, textSoFar, event);
+    };
+    let promise;
+    try {
+      promise = Promise.resolve(this._start(onDelta));
+    } catch (err) {
+      promise = Promise.reject(err);
+    }
+    this._promise = promise;
+    promise.then(
+      (done) => this._push({ done }),
+      (error) => this._push({ error }),
+    );
+  }
+
+  [Symbol.asyncIterator]() {
+    return this;
+  }
+
+  async next() {
+    if (this._over) return { value: undefined, done: true };
+    if (this._promise === null) this._launch();
+    while (this._items.length === 0) await new Promise((resolve) => (this._wake = resolve));
+    const item = this._items.shift();
+    if (item.delta) {
+      this._parts.push(item.delta.delta);
+      return { value: item.delta, done: false };
+    }
+    this._over = true;
+    if (item.error) {
+      this._error = item.error;
+      throw item.error;
+    }
+    this.done = item.done;
+    return { value: undefined, done: true };
+  }
+
+  /** `break` out of `for await`: the reply goes on; result() still waits for it. */
+  async return() {
+    return { value: undefined, done: true };
+  }
+
+  /** Consume the rest of the stream and resolve with its response.done. */
+  async result() {
+    for (;;) {
+      const step = await this.next();
+      if (step.done) break;
+    }
+    if (this._error) throw this._error;
+    if (this.done === null) throw localError("session_closed", "the reply ended without a response.done", false);
+    return this.done;
   }
 }
 

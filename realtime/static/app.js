@@ -10,6 +10,33 @@ const video = $("video");
 const canvas = $("capture");
 const ctx = canvas.getContext("2d");
 
+// Model name -> the response_format of its tuned replies (training/page_formats.py). With such a
+// model the page constrains every reply to what the model was tuned to say, unless "tuned
+// replies" is unchecked: a 135M model asked in free text can drift into copying an old reply.
+const tunedFormats = fetch(new URL("./tuned-replies.json", import.meta.url))
+  .then((res) => (res.ok ? res.json() : {}))
+  .catch(() => ({}));
+let tuned = {};
+tunedFormats.then((formats) => {
+  tuned = formats;
+});
+
+/** The response_format of this frame's reply: the model's tuned one when asked for, else none. */
+function replyFormat(client) {
+  const model = client.config && client.config.model;
+  return $("tuned").checked && model && tuned[model] ? tuned[model] : null;
+}
+
+/** What a person reads: a constrained reply is a JSON string, shown without its quotes. */
+function readable(text, constrained) {
+  if (!constrained) return text;
+  try {
+    return JSON.parse(text);
+  } catch {
+    return text.replace(/^"/, "").replace(/"$/, ""); // streaming: the string is not closed yet
+  }
+}
+
 const state = {
   status: "idle",
   running: false,
@@ -82,6 +109,7 @@ async function start() {
     state.media = await navigator.mediaDevices.getUserMedia({ video: { width: 640, height: 480 }, audio: false });
     video.srcObject = state.media;
     await video.play();
+    await tunedFormats;
     await openSession();
     schedule();
   } catch (err) {
@@ -138,6 +166,9 @@ async function openSession() {
   $("stat-model").title = opened.config.model;
   const win = opened.config.retention.enabled ? opened.config.retention.window_chunks ?? "∞" : "off";
   log(`session ${opened.session_id} opened: window ${win}, max_tokens ${opened.config.sampling.max_tokens}`);
+  if (tuned[opened.config.model]) {
+    log(`${opened.config.model}: replies are its tuned descriptions (uncheck "tuned replies" for free text)`);
+  }
   setStatus("streaming");
 }
 
@@ -231,16 +262,19 @@ function tick() {
   state.sent += 1;
   if (!watch) showCurrent("…", "");
   const prompt = watch ? null : $("prompt").value.trim() || null;
+  const responseFormat = watch ? null : replyFormat(client);
+  const constrained = responseFormat !== null;
   client
     .offerFrame(capture, {
       prompt,
       frameId,
       reply: !watch,
+      responseFormat,
       timestamp: started / 1000,
-      onDelta: (_delta, text, event) => showCurrent(`#${event.frame_index}`, text),
+      onDelta: (_delta, text, event) => showCurrent(`#${event.frame_index}`, readable(text, constrained)),
     })
     .then((done) => {
-      if (done) onDone(done, performance.now() - started);
+      if (done) onDone(done, performance.now() - started, null, constrained);
     })
     .catch((err) => {
       if (!client.closed) fail(err);
@@ -253,14 +287,15 @@ function showCurrent(label, text) {
   $("current").textContent = text;
 }
 
-function onDone(done, wallMs, question = null) {
+function onDone(done, wallMs, question = null, constrained = false) {
   const entry = {
     question,
     session: state.sessions,
     frame_index: done.frame_index,
     frame_id: done.frame_id,
     status: done.status,
-    text: done.text,
+    text: readable(done.text, constrained),
+    constrained,
     total_ms: done.timing.total_ms ?? wallMs,
     ttft_ms: done.timing.ttft_ms,
     wall_ms: wallMs,
@@ -273,7 +308,7 @@ function onDone(done, wallMs, question = null) {
   updateStats();
   drawPlots();
   if (done.status === "ingested") return; // watched: nothing to show but the counters
-  showCurrent(`#${done.frame_index}`, done.text);
+  showCurrent(`#${done.frame_index}`, entry.text);
   addReply(entry);
   updateStats();
   drawPlots();

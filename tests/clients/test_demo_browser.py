@@ -48,10 +48,12 @@ async def run_node(script: str, env: dict[str, str], timeout: float) -> tuple[in
     return proc.returncode, out.decode(), err.decode()
 
 
-async def run_demo_page(server: RunningServer, tmp_path: Any, **env: str) -> dict[str, Any]:
+async def run_demo_page(
+    server: RunningServer, tmp_path: Any, timeout: float = 240, **env: str
+) -> dict[str, Any]:
     """Run clients/js/e2e/demo.e2e.mjs (the page in headless Chromium, fake camera) against
     `server` with the page settings in `env` (DEMO_* overrides); its summary, once the run
-    exited 0 with no page or protocol error."""
+    exited 0 (within `timeout` seconds) with no page or protocol error."""
     chromium = need_tool("chromium", "apt-get install chromium (Debian's package)")
     need(
         (JS_DIR / "node_modules" / "playwright-core").is_dir(),
@@ -66,7 +68,7 @@ async def run_demo_page(server: RunningServer, tmp_path: Any, **env: str) -> dic
         "CHROMIUM": chromium,
     }
     rc, out, err = await run_node(
-        str(JS_DIR / "e2e" / "demo.e2e.mjs"), {**base, **env}, timeout=240
+        str(JS_DIR / "e2e" / "demo.e2e.mjs"), {**base, **env}, timeout=timeout
     )
     assert rc == 0, f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
     summary: dict[str, Any] = json.loads(out.strip().splitlines()[-1])

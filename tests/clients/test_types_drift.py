@@ -74,3 +74,16 @@ def test_committed_typescript_is_what_the_schema_compiles_to(tmp_path: Path) -> 
 def test_the_package_ships_the_generated_types() -> None:
     package = json.loads((JS_DIR / "package.json").read_text(encoding="utf-8"))
     assert {"protocol.d.ts", "protocol.schema.json"} <= set(package["files"])
+
+
+def test_the_pages_tuned_replies_are_what_the_model_was_tuned_on() -> None:
+    """realtime/static/tuned-replies.json (the page's default response_format per model) is
+    training/page_formats.py's, which bench/vlm_fidelity.py's robust mode also sends."""
+    from bench.vlm_fidelity import reply_format
+    from training.page_formats import describe_format, render
+
+    committed = Path(__file__).resolve().parents[2] / "realtime" / "static" / "tuned-replies.json"
+    assert committed.read_text(encoding="utf-8") == render(), REGENERATE
+    assert json.loads(render())["smol-qwen2-vl"] == reply_format("describe")["response_format"]
+    sentences = describe_format()["json_schema"]["schema"]["enum"]
+    assert "A yellow circle on a green background." in sentences and len(sentences) == 378

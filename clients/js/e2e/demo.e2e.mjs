@@ -4,6 +4,7 @@
 //   DEMO_URL=http://127.0.0.1:8000/ DEMO_API_KEY=... DEMO_FRAMES=10 DEMO_SCREENSHOT=artifacts/demo.png \
 //   DEMO_USER_DATA_DIR=$(mktemp -d) node clients/js/e2e/demo.e2e.mjs
 //
+// DEMO_TUNED=0 unchecks "tuned replies" (free text with a model that has tuned replies).
 // DEMO_MODE=watch: frames are only watched (no replies); then DEMO_QUESTION is typed into the ask
 // box and its streamed answer awaited.
 //
@@ -59,6 +60,8 @@ try {
   await fill("max-tokens", env.DEMO_MAX_TOKENS || "4");
   await fill("prompt", env.DEMO_PROMPT || "What changed?");
   await page.selectOption("#mode", mode);
+  // DEMO_TUNED=0: free text (the "tuned replies" box unchecked); by default the page's own choice.
+  if (env.DEMO_TUNED === "0") await page.uncheck("#tuned");
   await page.click("#start");
 
   if (mode === "watch") {
@@ -78,7 +81,8 @@ try {
     }
   } else {
     await page.waitForFunction(
-      (n) => document.querySelectorAll("#replies li").length >= n || window.demo.state.status === "error",
+      // The page keeps its newest 60 replies on screen; the state keeps all of them.
+      (n) => window.demo.state.dones.filter((d) => d.status !== "ingested").length >= n || window.demo.state.status === "error",
       frames,
       { timeout: timeoutMs, polling: 100 },
     );

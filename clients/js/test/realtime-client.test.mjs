@@ -2,7 +2,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { AUTH_SUBPROTOCOL_PREFIX, RealtimeClient, RealtimeError, SUBPROTOCOL, sniffMedia } from "../realtime-client.js";
+import { AUTH_SUBPROTOCOL_PREFIX, RealtimeClient, RealtimeError, ResponseStream, SUBPROTOCOL, sniffMedia } from "../realtime-client.js";
 
 const JPEG = new Uint8Array([0xff, 0xd8, 0xff, 0xe0, 1, 2, 3, 4, 0xff, 0xd9]);
 const LIMITS = {
@@ -21,9 +21,10 @@ class FakeWebSocket {
   static last = null;
   static selected = SUBPROTOCOL;
 
-  constructor(url, protocols) {
+  constructor(url, protocols, options) {
     this.url = url;
     this.protocols = protocols;
+    this.options = options; // the `ws` package's third argument (headers)
     this.readyState = 0;
     this.protocol = "";
     this.binaryType = "blob";
@@ -113,13 +114,41 @@ function reply(ws, { deltas = ["a ", "cat"], status = "completed", frameId = nul
   return index;
 }
 
-test("connect offers vllm-realtime and the auth subprotocol, resolves on session.created", async () => {
-  const { client, ws } = await connected({ apiKey: "k3y" });
+test("apiKeyIn: subprotocol offers vllm-realtime and the auth subprotocol, resolves on session.created", async () => {
+  const { client, ws } = await connected({ apiKey: "k3y", apiKeyIn: "subprotocol" });
   assert.deepEqual(ws.protocols, [SUBPROTOCOL, AUTH_SUBPROTOCOL_PREFIX + "k3y"]);
+  assert.equal(ws.options, undefined);
   assert.equal(ws.binaryType, "arraybuffer");
   assert.equal(client.sessionId, "sess_1");
   assert.equal(client.limits.max_frame_bytes, 64);
   assert.equal(client.busy, false);
+});
+
+test("in Node the key goes in an Authorization header, out of the subprotocols (the `ws` package's form)", async () => {
+  const { client, ws } = await connected({ apiKey: "k3y" });
+  assert.equal(client.apiKeyIn, "header");
+  assert.deepEqual(ws.protocols, [SUBPROTOCOL]);
+  assert.deepEqual(ws.options, { headers: { Authorization: "Bearer k3y" } });
+});
+
+test("Node's own WebSocket (or a subclass) gets the key in its WebSocketInit", async () => {
+  const saved = globalThis.WebSocket;
+  class NodeWebSocket extends FakeWebSocket {}
+  globalThis.WebSocket = NodeWebSocket;
+  try {
+    for (const WS of [NodeWebSocket, class extends NodeWebSocket {}]) {
+      const pending = RealtimeClient.connect("ws://test/v1/realtime", { apiKey: "k3y", WebSocket: WS });
+      const ws = FakeWebSocket.last;
+      assert.deepEqual(ws.protocols, { protocols: [SUBPROTOCOL], headers: { Authorization: "Bearer k3y" } });
+      assert.equal(ws.options, undefined);
+      ws.accept();
+      ws.emit({ type: "session.created", event_id: "evt_1", session_id: "sess_1", limits: LIMITS });
+      await pending;
+    }
+  } finally {
+    globalThis.WebSocket = saved;
+  }
+  assert.throws(() => new RealtimeClient("ws://x", { WebSocket: FakeWebSocket, apiKeyIn: "query" }), TypeError);
 });
 
 test("without a key only vllm-realtime is offered", async () => {
@@ -420,7 +449,9 @@ const DONE = (index, text = "ok") => ({
 });
 
 async function resilient(options = {}) {
-  const { client, ws } = await connected({ retryBackoffMs: 1, ...options });
+  // A short handshake deadline: a client a test leaves reconnecting to a fake that never
+  // answers gives up in seconds, not after 8 attempts of 10 s (which kept node --test alive).
+  const { client, ws } = await connected({ retryBackoffMs: 1, openTimeoutMs: 500, ...options });
   const open = client.open({ resumable: { grace_s: 30 }, sampling: { max_tokens: 8 } });
   ws.emit({
     type: "session.opened",
@@ -611,4 +642,92 @@ test("ask sends a text chunk with its response_format and streams the answer", a
   const done = await pending;
   assert.deepEqual(JSON.parse(done.text), { a: 1 });
   assert.deepEqual(seen, ['{"a"', ":1}"]);
+});
+
+// ------------------------------------------------------------------ async iterators
+
+test("streamFrame: for await yields the deltas; done and text at the end; sent only when iterated", async () => {
+  const { client, ws } = await opened();
+  const stream = client.streamFrame(JPEG, { prompt: "what?" });
+  assert.ok(stream instanceof ResponseStream);
+  await tick();
+  assert.equal(ws.json().filter((e) => e.type === "frame.append").length, 0, "nothing sent before iteration");
+  assert.equal(stream.started, false);
+  const seen = [];
+  const answering = (async () => {
+    for (let i = 0; i < 50 && ws.json().filter((e) => e.type === "frame.append").length === 0; i += 1) await tick();
+    reply(ws, { deltas: ["a ", "green ", "cat"] });
+  })();
+  for await (const delta of stream) {
+    assert.equal(delta.type, "response.text.delta");
+    seen.push(delta.delta);
+    assert.equal(stream.done, null);
+  }
+  await answering;
+  assert.deepEqual(seen, ["a ", "green ", "cat"]);
+  assert.equal(stream.text, "a green cat");
+  assert.equal(stream.done.type, "response.done");
+  assert.equal(stream.done.text, "a green cat");
+  assert.equal(ws.json().find((e) => e.type === "frame.append").prompt, "what?");
+  assert.equal(client.busy, false);
+});
+
+test("ResponseStream: a refused chunk throws from the loop; break leaves the reply running; result() finishes it", async () => {
+  const { client, ws } = await opened();
+  const first = client.streamText("hello");
+  const it = first[Symbol.asyncIterator]();
+  const step = it.next();
+  await tick();
+  // one chunk in flight: a second stream's loop throws the local chunk_in_flight
+  await assert.rejects(
+    (async () => {
+      for await (const _ of client.streamAsk("and?")) assert.fail("nothing to yield");
+    })(),
+    (err) => err instanceof RealtimeError && err.code === "chunk_in_flight" && err.local,
+  );
+  const index = frameIndex;
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: index, frame_id: null, bytes: 5 });
+  ws.emit({ type: "response.text.delta", event_id: "e", frame_index: index, delta: "hi " });
+  assert.equal((await step).value.delta, "hi ");
+  // leave the loop after the first delta (what `break` calls): the reply goes on
+  await it.return();
+  frameIndex = index; // reply() continues the same chunk's index
+  reply(ws, { deltas: ["there"] });
+  const done = await first.result();
+  assert.equal(done.text, "there");
+  assert.equal(first.done, done);
+  assert.equal(first.text, "hi there");
+  assert.equal(client.busy, false);
+});
+
+test("events(): every server event in order until the session ends; break unsubscribes", async () => {
+  const { client, ws } = await opened();
+  const all = client.events();
+  const types = [];
+  const reading = (async () => {
+    for await (const event of all) types.push(event.type);
+  })();
+  const early = [];
+  const stopping = (async () => {
+    for await (const event of client) {
+      early.push(event.type);
+      if (event.type === "response.created") break;
+    }
+  })();
+  const pending = client.appendFrame(JPEG);
+  await tick();
+  reply(ws);
+  await pending;
+  await stopping;
+  const closing = client.close({ timeoutMs: 1000 });
+  await tick();
+  ws.emit({ type: "session.closed", event_id: "e", reason: "client_closed" });
+  ws.serverClose(1000);
+  await closing;
+  await reading; // ended with the session
+  assert.deepEqual(types, ["input.ack", "response.created", "response.text.delta", "response.text.delta", "response.done", "session.closed"]);
+  assert.deepEqual(early, ["input.ack", "response.created"]);
+  const after = [];
+  for await (const event of client.events()) after.push(event);
+  assert.deepEqual(after, [], "an ended session's iterator ends at once");
 });

@@ -3,6 +3,7 @@ import RealtimeClientDefault, {
   RealtimeClient,
   RealtimeError,
   type ResponseDoneEvent,
+  ResponseStream,
   type ErrorCode,
   type ServerEvent,
   sniffMedia,
@@ -48,6 +49,20 @@ export async function demo(url: string, jpeg: Blob): Promise<number | null> {
   const status: "ingested" | "completed" | "cancelled" | "failed" | "incomplete" = watched.status;
   const answer = await client.ask("What changed?", { responseFormat: { type: "json_object" }, onDelta: (d) => console.log(d) });
   console.log(status, answer.text);
+  // Async iterators: a reply's deltas, then its response.done; every server event.
+  const stream: ResponseStream = client.streamFrame(jpeg, { prompt: "what?", responseFormat: { type: "json_object" } });
+  for await (const delta of stream) console.log(delta.delta.length, delta.frame_index, stream.text);
+  const streamed: ResponseDoneEvent | null = stream.done;
+  const asked: ResponseDoneEvent = await client.streamAsk("and now?").result();
+  for await (const delta of client.streamText("hi")) console.log(delta.delta);
+  for await (const event of client.events()) {
+    if (event.type === "response.done") console.log(event.text, streamed?.text, asked.status);
+    if (event.type === "session.closed") break;
+  }
+  for await (const event of client) console.log(event.type);
+  const inNode = await RealtimeClient.connect(url, { apiKey: "k", apiKeyIn: "header" });
+  const where: "header" | "subprotocol" = inNode.apiKeyIn;
+  console.log(where);
   const closed = await client.close({ timeoutMs: 100 });
   console.log(model, closed?.reason, offered?.status, sniffMedia(new Uint8Array(4)), RealtimeClientDefault);
   return done.timing.total_ms;
