@@ -17,6 +17,7 @@ import type {
   SessionCreatedEvent,
   SessionOpenedEvent,
   SessionResumedEvent,
+  SessionUpdatedEvent,
 } from "./protocol.js";
 
 export type * from "./protocol.js";
@@ -216,6 +217,8 @@ export declare class RealtimeClient {
   /** A new session replaced the old one (after a drain, or a refused resume). */
   on(type: "reopened", listener: (event: SessionOpenedEvent) => void): () => void;
 
+  /** session.update: later chunks use these settings; resolves with session.updated. */
+  update(options: { sampling?: SamplingConfig; frameFormat?: FrameFormat }): Promise<SessionUpdatedEvent>;
   open(config?: SessionConfig): Promise<SessionOpenedEvent>;
   appendFrame(data: FrameData, options?: FrameOptions): Promise<ResponseDoneEvent>;
   appendText(text: string, options?: ChunkOptions): Promise<ResponseDoneEvent>;

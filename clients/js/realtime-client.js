@@ -171,6 +171,7 @@ export class RealtimeClient {
     this._turn = null;
     this._starting = false; // a frame is being prepared (Blob read) for sending
     this._openWait = null;
+    this._updateWaits = new Map(); // event_id -> deferred, answered in order by session.updated
     this._closeWait = deferred();
     this._cancelIds = new Set();
     this._ended = false;
@@ -277,6 +278,32 @@ export class RealtimeClient {
       return this.opened;
     } finally {
       this._openWait = null;
+    }
+  }
+
+  /**
+   * Send session.update; resolves with session.updated. Later chunks use the new settings (a
+   * reply in flight keeps its own): `sampling` changes only the fields it names, e.g.
+   * `update({ sampling: { temperature: 0.7 } })`; `frameFormat` replaces the frame format.
+   * Instructions, retention, modality and limits are fixed: the server refuses them with
+   * `invalid_request`, `err.param` naming the field.
+   */
+  async update({ sampling = null, frameFormat = null } = {}) {
+    this._checkAlive();
+    if (!this.opened) throw localError("session_not_open", "call open() before update()");
+    const eventId = this._newId();
+    const event = { type: "session.update", event_id: eventId };
+    if (sampling !== null) event.sampling = sampling;
+    if (frameFormat !== null) event.frame_format = frameFormat;
+    const wait = deferred();
+    this._updateWaits.set(eventId, wait);
+    try {
+      this._send(event);
+      const updated = await this._withTimeout(wait.promise, this.timeoutMs, "session.updated");
+      this.opened = { ...this.opened, config: updated.config };
+      return updated;
+    } finally {
+      this._updateWaits.delete(eventId);
     }
   }
 
@@ -631,6 +658,15 @@ export class RealtimeClient {
         this.created = event;
         this._ready.resolve(this);
         break;
+      case "session.updated":
+        for (const wait of this._updateWaits.values()) {
+          if (!wait.settled) {
+            wait.settled = true;
+            wait.resolve(event);
+            break;
+          }
+        }
+        break;
       case "session.opened":
         if (this._openWait) this._openWait.resolve(event);
         break;
@@ -691,6 +727,12 @@ export class RealtimeClient {
     }
     if (this._openWait && detail.event_id === this._openWait.eventId) {
       this._openWait.reject(err);
+      return;
+    }
+    const updating = this._updateWaits.get(detail.event_id);
+    if (updating && !updating.settled) {
+      updating.settled = true;
+      updating.reject(err);
       return;
     }
     const turn = this._turn;

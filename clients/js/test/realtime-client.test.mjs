@@ -731,3 +731,27 @@ test("events(): every server event in order until the session ends; break unsubs
   for await (const event of client.events()) after.push(event);
   assert.deepEqual(after, [], "an ended session's iterator ends at once");
 });
+
+test("update() sends only the fields it names and resolves with session.updated", async () => {
+  const { client, ws } = await opened();
+  const pending = client.update({ sampling: { temperature: 0.7 } });
+  await tick();
+  const sent = ws.json().filter((e) => e.type === "session.update").pop();
+  assert.deepEqual(Object.keys(sent).sort(), ["event_id", "sampling", "type"]);
+  assert.deepEqual(sent.sampling, { temperature: 0.7 });
+  const config = { ...client.opened.config, sampling: { ...client.opened.config.sampling, temperature: 0.7 } };
+  ws.emit({ type: "session.updated", event_id: "e", session_id: client.sessionId, config });
+  const updated = await pending;
+  assert.equal(updated.config.sampling.temperature, 0.7);
+  assert.equal(client.config.sampling.temperature, 0.7);
+});
+
+test("a refused update rejects with the server's code and param; the session lives", async () => {
+  const { client, ws } = await opened();
+  const pending = client.update({ sampling: { max_tokens: 4000 } });
+  await tick();
+  const { event_id } = ws.json().filter((e) => e.type === "session.update").pop();
+  ws.emit({ type: "error", event_id: "e", error: { type: "invalid_request_error", code: "invalid_request", message: "over", event_id, session_survives: true, param: "sampling.max_tokens" } });
+  await assert.rejects(pending, (err) => err.code === "invalid_request" && err.param === "sampling.max_tokens");
+  assert.equal(client.closed, false);
+});

@@ -63,6 +63,9 @@ export async function demo(url: string, jpeg: Blob): Promise<number | null> {
   const inNode = await RealtimeClient.connect(url, { apiKey: "k", apiKeyIn: "header" });
   const where: "header" | "subprotocol" = inNode.apiKeyIn;
   console.log(where);
+  const updated = await client.update({ sampling: { temperature: 0.7 } });
+  const temperature: number = updated.config.sampling.temperature;
+  console.log(temperature);
   const closed = await client.close({ timeoutMs: 100 });
   console.log(model, closed?.reason, offered?.status, sniffMedia(new Uint8Array(4)), RealtimeClientDefault);
   return done.timing.total_ms;
