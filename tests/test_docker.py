@@ -303,7 +303,7 @@ def test_compose_scale_out_matches_the_router_config() -> None:
     )
     assert re.fullmatch(r"nginx:\d+\.\d+\.\d+(-\w+)?", router["image"]), "pin the nginx image"
     upstreams = _upstreams(NGINX_CONF.read_text())
-    assert set(upstreams) == {"realtime_ws", "realtime_http"}
+    assert set(upstreams) == {"realtime_ws", "realtime_ws_keyed", "realtime_http"}
     for servers in upstreams.values():
         names = [s.rsplit(":", 1)[0] for s in servers]
         assert names == ["replica-1", "replica-2"]
@@ -312,6 +312,12 @@ def test_compose_scale_out_matches_the_router_config() -> None:
             assert router["depends_on"][name]["condition"] == "service_healthy"
             # Every replica is one server process (the session registry is per process).
             assert "--api-server-count" not in json.dumps(services[name].get("command", []))
+            # ... and shares the session store with the others (docs/scale-out.md).
+            command = services[name]["command"]
+            store = command[command.index("--session-store") + 1]
+            assert store.startswith("redis://redis:")
+            assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", services["redis"]["image"])
 
 
 def test_router_config_is_session_affine() -> None:
@@ -320,6 +326,9 @@ def test_router_config_is_session_affine() -> None:
     assert http and "hash $realtime_affinity_key consistent;" in http.group(1)
     ws = re.search(r"upstream realtime_ws \{(.*?)\}", conf, re.S)
     assert ws and "least_conn;" in ws.group(1)
+    # A WebSocket that names its session key reaches the same replica on every reconnect.
+    keyed = re.search(r"upstream realtime_ws_keyed \{(.*?)\}", conf, re.S)
+    assert keyed and "hash $arg_session_key consistent;" in keyed.group(1)
     # nginx does not inherit proxy_set_header into a location that sets any: each sets all.
     for loc in re.findall(r"location [^{]+\{(.*?)\}", conf, re.S):
         assert "proxy_set_header Host $host;" in loc
