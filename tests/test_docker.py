@@ -341,13 +341,18 @@ def test_router_config_is_session_affine() -> None:
 # --------------------------------------------------------------------------- nginx, for real
 
 
-def _stand_in_app(name: str) -> Any:
-    """A replica stand-in: answers every request and WebSocket message with its name."""
+def _stand_in_app(name: str, draining: threading.Event | None = None) -> Any:
+    """A replica stand-in: answers every request and WebSocket message with its name; while
+    `draining` is set it refuses WebSocket handshakes with 503, as a draining replica with a
+    session store does."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route, WebSocketRoute
 
     async def ws(socket_: Any) -> None:
+        if draining is not None and draining.is_set():
+            await socket_.send_denial_response(JSONResponse({"status": "draining"}, 503))
+            return
         await socket_.accept(subprotocol="vllm-realtime")
         with contextlib.suppress(Exception):
             while True:
@@ -454,3 +459,37 @@ def test_nginx_routes_each_session_to_one_replica(tmp_path: Path) -> None:
                 assert len(replies) == 1
                 where.append(replies.pop())
             assert sorted(where) == ["replica-1", "replica-1", "replica-2", "replica-2"]
+
+
+def test_nginx_brings_a_keyed_reconnect_back_to_its_replica(tmp_path: Path) -> None:
+    """A WebSocket with ?session_key= reaches the same replica on every reconnect (where its
+    session lives), and the other one when that replica drains (503) or is gone."""
+    from websockets.sync.client import connect
+
+    from bench.scale_out_check import free_port
+
+    def replica_of(listen: int, key: str) -> str:
+        url = f"ws://127.0.0.1:{listen}/v1/realtime?session_key={key}"
+        with connect(url, subprotocols=["vllm-realtime"]) as ws:  # type: ignore[list-item]
+            ws.send("{}")
+            return str(json.loads(ws.recv(timeout=10))["replica"])
+
+    listen, a, b = free_port(), free_port(), free_port()
+    draining = {"replica-1": threading.Event(), "replica-2": threading.Event()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_serve(_stand_in_app("replica-1", draining["replica-1"]), a))
+        replica_2 = stack.enter_context(contextlib.ExitStack())  # stopped below: "gone"
+        replica_2.enter_context(_serve(_stand_in_app("replica-2", draining["replica-2"]), b))
+        stack.enter_context(nginx_router(tmp_path, listen, [a, b]))
+        owners = {}
+        for n in range(12):
+            key = f"k{n}-{os.urandom(4).hex()}"
+            owners[key] = {replica_of(listen, key) for _ in range(3)}
+            assert len(owners[key]) == 1, owners[key]  # every reconnect: the same replica
+        assert {next(iter(o)) for o in owners.values()} == {"replica-1", "replica-2"}
+        on_2 = [k for k, o in owners.items() if o == {"replica-2"}]
+        draining["replica-2"].set()
+        assert {replica_of(listen, k) for k in on_2} == {"replica-1"}  # 503: the next one
+        draining["replica-2"].clear()
+        replica_2.close()  # gone: connection refused
+        assert {replica_of(listen, k) for k in on_2} == {"replica-1"}
