@@ -55,7 +55,7 @@ def render_router_conf(listen: int, replicas: list[int]) -> str:
     conf = NGINX_CONF.read_text()
     conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{listen};")
     for i, port in enumerate(replicas, 1):
-        conf = conf.replace(f"server replica-{i}:8000;", f"server 127.0.0.1:{port};")
+        conf = conf.replace(f"server replica-{i}:8000", f"server 127.0.0.1:{port}")
     if "replica-" in re.sub(r"#.*", "", conf):
         raise ValueError("the router config names replicas this rewrite does not know")
     return conf

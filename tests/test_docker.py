@@ -290,7 +290,7 @@ def test_compose_single_server() -> None:
 
 def _upstreams(conf: str) -> dict[str, list[str]]:
     blocks = dict(re.findall(r"upstream (\w+) \{(.*?)\}", conf, re.S))
-    return {k: re.findall(r"^\s*server ([\w.:-]+);", v, re.M) for k, v in blocks.items()}
+    return {k: re.findall(r"^\s*server ([\w.:-]+)[ ;]", v, re.M) for k, v in blocks.items()}
 
 
 def test_compose_scale_out_matches_the_router_config() -> None:
