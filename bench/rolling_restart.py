@@ -213,7 +213,8 @@ def main() -> int:
         finally:
             proxy.terminate()
             if args.keep_logs is not None:
-                shutil.copytree(logdir, args.keep_logs, dirs_exist_ok=True)
+                with contextlib.suppress(OSError, shutil.Error):
+                    shutil.copytree(logdir, args.keep_logs, dirs_exist_ok=True)
             for proc in procs:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGINT)
