@@ -6,7 +6,9 @@ Starts two `vllm-realtime serve` replicas of the tiny model on loopback ports an
 (`apt-get install nginx-light`) with the router config rewritten to those ports, drives
 HTTP-adapter sessions (each with its own X-Session-Key) and WebSocket sessions through the
 router, reads every replica's /health session count to see where the sessions live, and stops
-everything it started. Exit status 0 when every session stayed on one replica.
+everything it started. With Debian's redis-server the replicas share a session store, and a
+stored session resumes through the router: back on its owner, then (the owner SIGKILLed)
+rebuilt on the other replica. Exit status 0 when every check held.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def render_router_conf(listen: int, replicas: list[int]) -> str:
     conf = NGINX_CONF.read_text()
     conf = conf.replace("listen 8080;", f"listen 127.0.0.1:{listen};")
     for i, port in enumerate(replicas, 1):
-        conf = conf.replace(f"server replica-{i}:8000;", f"server 127.0.0.1:{port};")
+        conf = conf.replace(f"server replica-{i}:8000", f"server 127.0.0.1:{port}")
     if "replica-" in re.sub(r"#.*", "", conf):
         raise ValueError("the router config names replicas this rewrite does not know")
     return conf
@@ -125,7 +127,9 @@ def sessions_on(port: int) -> int:
 
 
 @contextlib.contextmanager
-def replicas(ports: list[int], logdir: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+def replicas(
+    ports: list[int], logdir: Path, extra: tuple[str, ...] = ()
+) -> Iterator[list[subprocess.Popen[bytes]]]:
     exe = ROOT / ".venv" / "bin" / "vllm-realtime"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "realtime.cli"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
@@ -135,7 +139,7 @@ def replicas(ports: list[int], logdir: Path) -> Iterator[list[subprocess.Popen[b
             log = (logdir / f"replica-{i}.log").open("wb")
             procs.append(
                 subprocess.Popen(
-                    [*cmd, "serve", "--port", str(port), *REPLICA_ARGS],
+                    [*cmd, "serve", "--port", str(port), *REPLICA_ARGS, *extra],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
@@ -270,6 +274,87 @@ def _check_websocket(router: int, ports: list[int], log: list[str]) -> bool:
     return bool(ok)
 
 
+@contextlib.contextmanager
+def redis_server(workdir: Path) -> Iterator[str | None]:
+    """Debian's redis-server on a loopback port (the replicas' session store); None without it."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield None
+        return
+    port = free_port()
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir)]
+    proc = subprocess.Popen(
+        [binary, *args, "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, 15, proc)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _ws_turn(ws: Any, text: str) -> dict[str, Any]:
+    ws.send(json.dumps({"type": "frame.append", "text": text}))
+    while (event := json.loads(ws.recv(timeout=120)))["type"] not in ("response.done", "error"):
+        pass
+    return dict(event)
+
+
+def _ws_resume(ws: Any, sid: str, token: str) -> dict[str, Any]:
+    json.loads(ws.recv(timeout=30))  # session.created
+    ws.send(json.dumps({"type": "session.resume", "session_id": sid, "resume_token": token}))
+    return dict(json.loads(ws.recv(timeout=120)))
+
+
+def check_resume(
+    router: int, ports: list[int], procs: list[subprocess.Popen[bytes]], log: list[str]
+) -> bool:
+    """A stored session through the router (issue #39): its keyed reconnect returns to its
+    owner (no rebuild); after the owner is SIGKILLed the next one is rebuilt on the other."""
+    from websockets.sync.client import connect
+
+    url = f"ws://127.0.0.1:{router}/v1/realtime?session_key={os.urandom(8).hex()}"
+    with connect(url, subprotocols=["vllm-realtime"]) as ws:  # type: ignore[list-item]
+        json.loads(ws.recv(timeout=30))
+        ws.send(
+            json.dumps(
+                {
+                    "type": "session.open",
+                    "modality": "text",
+                    "sampling": {"max_tokens": 4},
+                    "resumable": {"grace_s": 60},
+                }
+            )
+        )
+        opened = json.loads(ws.recv(timeout=60))
+        ok = _ws_turn(ws, "First turn.")["type"] == "response.done"
+    sid, token = opened["session_id"], opened["resume_token"]
+    owner = next(i for i, p in enumerate(ports) if sessions_on(p) == 1)
+    with connect(url, subprotocols=["vllm-realtime"]) as ws:  # type: ignore[list-item]
+        resumed = _ws_resume(ws, sid, token)  # parked on its owner: the router brings it back
+        ok &= resumed.get("type") == "session.resumed" and resumed.get("rebuilt") is False
+        ok &= _ws_turn(ws, "Second turn.")["type"] == "response.done"
+    log.append(f"resume: via the router back on replica-{owner + 1}: rebuilt={resumed['rebuilt']}")
+    os.killpg(procs[owner].pid, signal.SIGKILL)
+    procs[owner].wait(timeout=30)
+    started = time.perf_counter()
+    with connect(url, subprotocols=["vllm-realtime"]) as ws:  # type: ignore[list-item]
+        resumed = _ws_resume(ws, sid, resumed.get("resume_token", ""))
+        took = time.perf_counter() - started
+        ok &= resumed.get("type") == "session.resumed" and resumed.get("rebuilt") is True
+        done = _ws_turn(ws, "Third turn.")
+        ok &= done["type"] == "response.done" and done.get("frame_index") == 2
+        ws.send(json.dumps({"type": "session.close"}))
+    log.append(
+        f"resume: replica-{owner + 1} SIGKILLed; via the router rebuilt={resumed.get('rebuilt')} "
+        f"({resumed.get('reprefilled_tokens')} tokens re-prefilled, {took:.2f} s), "
+        f"next reply {done.get('status')}"
+    )
+    return bool(ok)
+
+
 def main() -> int:
     nginx = nginx_binary()
     if nginx is None:
@@ -281,13 +366,20 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="scale-out-") as tmp:
         workdir = Path(tmp)
         t0 = time.monotonic()
-        with replicas(ports, workdir) as procs:
+        with (
+            redis_server(workdir) as store,
+            replicas(ports, workdir, () if store is None else ("--session-store", store)) as procs,
+        ):
             for port, proc in zip(ports, procs, strict=True):
                 wait_healthy(port, proc, 600)
             log.append(f"2 replicas healthy after {time.monotonic() - t0:.0f} s (ports {ports})")
             proxy = start_nginx(nginx, workdir, router, ports)
             try:
                 ok = check(router, ports, log)
+                if store is None:
+                    log.append("resume: skipped (redis-server is not installed)")
+                else:
+                    ok &= check_resume(router, ports, procs, log)
             finally:
                 proxy.terminate()
                 proxy.wait(timeout=10)

@@ -737,6 +737,12 @@ class ServerDrainingEvent(_ServerEventBase):
     seconds_left: float = Field(
         ge=0, description="Seconds until replies still running are cancelled and sessions closed."
     )
+    handover: bool = Field(
+        default=False,
+        description="True: the session is kept in the session store; after session.closed, "
+        "reconnect (through the router) and session.resume it with the last resume token: "
+        "another replica rebuilds it. False: open a new session.",
+    )
 
 
 class ErrorEvent(_ServerEventBase):

@@ -552,18 +552,17 @@ class Connection:
             return True  # the store is down: the fenced write after the fold still guards
 
     async def _persist(self, state: StoredSession) -> None:
-        """Write a fold's state (`state`, taken right after the turn), then once more after
-        an idle consolidation (the snapshot then holds the consolidated window)."""
-        store = self.hub.store
-        if store is None or self.fence is None or self.record is None:
-            return
+        """Write a fold's state (`state`, taken right after the turn)."""
         self.store_seq += 1
-        seq = self.store_seq
-        es = self.record.engine_session
         async with self.store_lock:
-            if not await self._write(state):
-                return
-        if es.consolidating:
+            await self._write(state)
+
+    async def _persist_consolidated(self, state: StoredSession) -> None:
+        """Once more after an idle consolidation (the snapshot then holds the consolidated
+        window), unless a later fold was written meanwhile."""
+        seq = self.store_seq
+        es = self.record.engine_session if self.record is not None else None
+        if es is not None and es.consolidating and self.fence is not None:
             await es.settle()
             async with self.store_lock:
                 if seq == self.store_seq and es.snapshot is not None:
@@ -607,10 +606,14 @@ class Connection:
             outcome = await self.hub.run_turn(
                 self.record, frame, on_delta=self.send, cancelled=self.cancelled
             )
-            stored = self._stored_state() if self.fence is not None else None
-            await self.send(outcome.done)
-            if stored is not None and outcome.close_reason is None:
+            stored = None
+            if self.fence is not None and outcome.close_reason is None:
+                # Written before response.done: a client that has its reply can resume it.
+                stored = self._stored_state()
                 await self._persist(stored)
+            await self.send(outcome.done)
+            if stored is not None:
+                await self._persist_consolidated(stored)
             if outcome.error is not None:
                 await self.send_error(outcome.error)
             if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
@@ -636,7 +639,10 @@ class Connection:
         if self.closed or self.draining:
             return
         self.draining = True
-        await self.send(ServerDrainingEvent(seconds_left=round(seconds_left, 3)))
+        # A stored session is handed over: its record stays in the store (its last fold is
+        # written before the close), and the client resumes it on another replica.
+        handover = self.fence is not None
+        await self.send(ServerDrainingEvent(seconds_left=round(seconds_left, 3), handover=handover))
         if self.turn is None or self.turn.done():
             await self.finish(self.proto.server_close("server_shutdown"))
 
@@ -654,7 +660,8 @@ class Connection:
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
         fence, self.fence = self.fence, None
-        if fence is not None and self.hub.store is not None:
+        handover = self.draining and close is not None and close.reason == "server_shutdown"
+        if fence is not None and self.hub.store is not None and not handover:
             # Closed or expired here: nothing of it stays (fenced: not if it moved on).
             with contextlib.suppress(Exception):
                 await self.hub.store.delete(self.proto.session_id, fence)

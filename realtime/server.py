@@ -194,6 +194,12 @@ def _add_realtime_routes(app: FastAPI, shared: _App) -> None:
             # Refuse in the handshake: the client learns 403, nothing else.
             await ws.close(code=1008)
             return
+        if shared.lifecycle.draining and shared.config.session_store is not None:
+            # Replicas share a session store: a draining one refuses the handshake with 503, so
+            # the router sends the connection (a session.resume after server.draining, too) to
+            # another replica (docker/nginx/realtime.conf: proxy_next_upstream http_503).
+            await ws.send_denial_response(JSONResponse({"status": "draining"}, status_code=503))
+            return
         await ws.accept(subprotocol=select_subprotocol(offered))
         conn = Connection(
             ws, _hub(ws), key, shared.lifecycle, shared.resume_tokens, shared.connections, bound

@@ -290,7 +290,7 @@ def test_compose_single_server() -> None:
 
 def _upstreams(conf: str) -> dict[str, list[str]]:
     blocks = dict(re.findall(r"upstream (\w+) \{(.*?)\}", conf, re.S))
-    return {k: re.findall(r"^\s*server ([\w.:-]+);", v, re.M) for k, v in blocks.items()}
+    return {k: re.findall(r"^\s*server ([\w.:-]+)[ ;]", v, re.M) for k, v in blocks.items()}
 
 
 def test_compose_scale_out_matches_the_router_config() -> None:
@@ -303,7 +303,7 @@ def test_compose_scale_out_matches_the_router_config() -> None:
     )
     assert re.fullmatch(r"nginx:\d+\.\d+\.\d+(-\w+)?", router["image"]), "pin the nginx image"
     upstreams = _upstreams(NGINX_CONF.read_text())
-    assert set(upstreams) == {"realtime_ws", "realtime_http"}
+    assert set(upstreams) == {"realtime_ws", "realtime_ws_keyed", "realtime_http"}
     for servers in upstreams.values():
         names = [s.rsplit(":", 1)[0] for s in servers]
         assert names == ["replica-1", "replica-2"]
@@ -312,6 +312,12 @@ def test_compose_scale_out_matches_the_router_config() -> None:
             assert router["depends_on"][name]["condition"] == "service_healthy"
             # Every replica is one server process (the session registry is per process).
             assert "--api-server-count" not in json.dumps(services[name].get("command", []))
+            # ... and shares the session store with the others (docs/scale-out.md).
+            command = services[name]["command"]
+            store = command[command.index("--session-store") + 1]
+            assert store.startswith("redis://redis:")
+            assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert re.fullmatch(r"redis:\d+\.\d+\.\d+(-\w+)?", services["redis"]["image"])
 
 
 def test_router_config_is_session_affine() -> None:
@@ -320,6 +326,9 @@ def test_router_config_is_session_affine() -> None:
     assert http and "hash $realtime_affinity_key consistent;" in http.group(1)
     ws = re.search(r"upstream realtime_ws \{(.*?)\}", conf, re.S)
     assert ws and "least_conn;" in ws.group(1)
+    # A WebSocket that names its session key reaches the same replica on every reconnect.
+    keyed = re.search(r"upstream realtime_ws_keyed \{(.*?)\}", conf, re.S)
+    assert keyed and "hash $arg_session_key consistent;" in keyed.group(1)
     # nginx does not inherit proxy_set_header into a location that sets any: each sets all.
     for loc in re.findall(r"location [^{]+\{(.*?)\}", conf, re.S):
         assert "proxy_set_header Host $host;" in loc
@@ -332,13 +341,18 @@ def test_router_config_is_session_affine() -> None:
 # --------------------------------------------------------------------------- nginx, for real
 
 
-def _stand_in_app(name: str) -> Any:
-    """A replica stand-in: answers every request and WebSocket message with its name."""
+def _stand_in_app(name: str, draining: threading.Event | None = None) -> Any:
+    """A replica stand-in: answers every request and WebSocket message with its name; while
+    `draining` is set it refuses WebSocket handshakes with 503, as a draining replica with a
+    session store does."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse
     from starlette.routing import Route, WebSocketRoute
 
     async def ws(socket_: Any) -> None:
+        if draining is not None and draining.is_set():
+            await socket_.send_denial_response(JSONResponse({"status": "draining"}, 503))
+            return
         await socket_.accept(subprotocol="vllm-realtime")
         with contextlib.suppress(Exception):
             while True:
@@ -445,3 +459,37 @@ def test_nginx_routes_each_session_to_one_replica(tmp_path: Path) -> None:
                 assert len(replies) == 1
                 where.append(replies.pop())
             assert sorted(where) == ["replica-1", "replica-1", "replica-2", "replica-2"]
+
+
+def test_nginx_brings_a_keyed_reconnect_back_to_its_replica(tmp_path: Path) -> None:
+    """A WebSocket with ?session_key= reaches the same replica on every reconnect (where its
+    session lives), and the other one when that replica drains (503) or is gone."""
+    from websockets.sync.client import connect
+
+    from bench.scale_out_check import free_port
+
+    def replica_of(listen: int, key: str) -> str:
+        url = f"ws://127.0.0.1:{listen}/v1/realtime?session_key={key}"
+        with connect(url, subprotocols=["vllm-realtime"]) as ws:  # type: ignore[list-item]
+            ws.send("{}")
+            return str(json.loads(ws.recv(timeout=10))["replica"])
+
+    listen, a, b = free_port(), free_port(), free_port()
+    draining = {"replica-1": threading.Event(), "replica-2": threading.Event()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_serve(_stand_in_app("replica-1", draining["replica-1"]), a))
+        replica_2 = stack.enter_context(contextlib.ExitStack())  # stopped below: "gone"
+        replica_2.enter_context(_serve(_stand_in_app("replica-2", draining["replica-2"]), b))
+        stack.enter_context(nginx_router(tmp_path, listen, [a, b]))
+        owners = {}
+        for n in range(12):
+            key = f"k{n}-{os.urandom(4).hex()}"
+            owners[key] = {replica_of(listen, key) for _ in range(3)}
+            assert len(owners[key]) == 1, owners[key]  # every reconnect: the same replica
+        assert {next(iter(o)) for o in owners.values()} == {"replica-1", "replica-2"}
+        on_2 = [k for k, o in owners.items() if o == {"replica-2"}]
+        draining["replica-2"].set()
+        assert {replica_of(listen, k) for k in on_2} == {"replica-1"}  # 503: the next one
+        draining["replica-2"].clear()
+        replica_2.close()  # gone: connection refused
+        assert {replica_of(listen, k) for k in on_2} == {"replica-1"}

@@ -6,6 +6,9 @@ on loopback ports share one real redis-server.
 * A resume racing a half-open old connection: the other replica claims the session and rebuilds
   it; the old owner sees the fence move on and lets go (its old socket gets
   `session_not_found`, and it writes nothing more).
+* A parked owner (alive) lets the session go when another replica resumes it.
+* A drain (SIGTERM) hands a stored session over: `server.draining` says `handover`, and the
+  session resumes on a restarted replica (one step of a rolling restart).
 * The replica holding a session is SIGKILLed (its whole process group: server, EngineCore,
   worker). The session resumes on the other, rebuilt with one re-prefill, and its first reply
   equals token for token (greedy) the reply of the same session run on one replica; a fact told
@@ -259,6 +262,30 @@ async def test_an_expired_session_is_gone_everywhere(
         await again.close()
 
 
+def sessions_on(replica: Replica) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{replica.port}/health", timeout=5) as resp:
+        return int(json.loads(resp.read())["sessions"])
+
+
+async def test_a_parked_owner_lets_go(pair: list[Replica], redis_client: Any) -> None:
+    a, b = pair
+    ws, sid, token = await open_session(a)
+    await say(ws, FACT)
+    await ws.close()  # parked on A (alive, holding the KV) for its grace period
+    assert sessions_on(a) == 1
+    new, resumed = await resume(b, sid, token)
+    assert resumed["type"] == "session.resumed" and resumed["rebuilt"] is True, resumed
+    # A sees the fence move on (its keeper, within about a second) and frees the session.
+    for _ in range(100):
+        if sessions_on(a) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert sessions_on(a) == 0
+    assert "Biscuit" in (await say(new, QUESTION))["text"]
+    await close(new)
+    assert await redis_client.keys("vrt:session:*") == []
+
+
 async def test_the_owner_is_killed_and_the_session_goes_on_elsewhere(
     pair: list[Replica], redis_client: Any
 ) -> None:
@@ -282,11 +309,36 @@ async def test_the_owner_is_killed_and_the_session_goes_on_elsewhere(
     new, resumed = await resume(b, sid, token)
     took = time.perf_counter() - started
     assert resumed["type"] == "session.resumed", resumed
-    assert resumed["rebuilt"] is True and resumed["next_frame_index"] == 3
+    # Every fold is written before its response.done: the rebuild is at the last reply.
+    assert resumed["rebuilt"] is True and resumed["next_frame_index"] == 3, resumed
     print(f"resume with rebuild: {took:.3f} s, {resumed['reprefilled_tokens']} tokens")
     after = await say(new, QUESTION)
     assert after["text"] == reference["text"]  # greedy: the same tokens
     assert after["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
     assert "Biscuit" in after["text"], after["text"]
+    await close(new)
+    assert await redis_client.keys("vrt:session:*") == []
+
+
+async def test_a_drain_hands_the_session_over(
+    pair: list[Replica], redis_url: str, redis_client: Any, tmp_path: Path
+) -> None:
+    """A rolling restart's step: A (killed above) is started again, then B drains (SIGTERM)
+    with a stored session attached; the client is told to resume elsewhere and does."""
+    b = pair[1]
+    a2 = start_replica(redis_url, tmp_path, "replica-a2")
+    pair[0] = a2  # the fixture stops it
+    wait_healthy(a2)
+    ws, sid, token = await open_session(b)
+    await say(ws, FACT)
+    b.proc.send_signal(signal.SIGTERM)
+    seen = await events_until_closed(ws)
+    draining = [e for e in seen if e["type"] == "server.draining"]
+    assert draining and draining[0]["handover"] is True, seen
+    assert seen[-1]["type"] == "session.closed" and seen[-1]["reason"] == "server_shutdown"
+    assert b.proc.wait(timeout=120) == 0  # drained and stopped cleanly
+    new, resumed = await resume(a2, sid, token)
+    assert resumed["type"] == "session.resumed" and resumed["rebuilt"] is True, resumed
+    assert "Biscuit" in (await say(new, QUESTION))["text"]
     await close(new)
     assert await redis_client.keys("vrt:session:*") == []

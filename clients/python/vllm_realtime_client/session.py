@@ -945,8 +945,10 @@ class RealtimeSession:
                     break
                 if self._closed is not None and not self._moving:
                     break
-                # Dropped: resume. Drained (or the resume is refused): a new session.
-                if not await self._recover(fresh=self._moving):
+                # Dropped: resume. Drained (or the resume is refused): a new session, unless
+                # the server handed the session over (a session store): resume it elsewhere.
+                handover = self.draining is not None and self.draining.handover
+                if not await self._recover(fresh=self._moving and not handover):
                     reason = f"{reason}; reconnecting failed after {self._max_retries()} tries"
                     break
         finally:
