@@ -890,6 +890,10 @@ export interface ServerDrainingEvent {
    * Seconds until replies still running are cancelled and sessions closed.
    */
   seconds_left: number;
+  /**
+   * True: the session is kept in the session store; after session.closed, reconnect (through the router) and session.resume it with the last resume token: another replica rebuilds it. False: open a new session.
+   */
+  handover: boolean;
 }
 /**
  * ``session.updated``: answer to session.update; the settings every later chunk uses.
