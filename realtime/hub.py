@@ -463,11 +463,11 @@ class SessionHub:
         text_tokens = self.count_tokens(prompt["prompt"])
         if record.engine_session.chunks == 0:
             text_tokens -= record.instructions_tokens  # counted at open, pinned
-        clip = prompt.get("multi_modal_data", {}).get("video")
+        clip = prompt.get("multi_modal_data", {}).get("video")  # (frames, metadata), decode_clip
         self.admission.check_chunk(
             config,
             text_tokens=text_tokens,
-            clip_frames=None if clip is None else int(clip.shape[0]),
+            clip_frames=None if clip is None else int(clip[0].shape[0]),
             is_frame=frame.kind != "text",
             held_tokens=record.engine_session.tokens_in_context,
         )

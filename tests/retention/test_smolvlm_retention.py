@@ -401,7 +401,7 @@ async def test_preempted_session_resumes_as_a_fresh_prefill(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tests.retention.test_video_preemption import send
+    from tests.retention.vlm_oracle import send_chunk as send
 
     started = time.perf_counter()
     engine = smolvlm_engine
