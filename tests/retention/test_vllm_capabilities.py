@@ -72,13 +72,19 @@ def test_the_capability_record_matches_what_the_release_offers() -> None:
     assert found == EXPECTED[version.split("+", 1)[0]]
 
 
-def test_serving_is_refused_with_the_reason_where_the_v1_runner_is_gone() -> None:
+def test_serving_is_refused_with_the_reason_where_the_worker_hooks_do_not_run() -> None:
+    from retention.vllm_adapter import WORKER_HOOKS_EXECUTED_ON
+
     capabilities = vllm_capabilities()
-    if capabilities.v1_model_runner:
+    if capabilities.version.split("+", 1)[0] in WORKER_HOOKS_EXECUTED_ON:
+        assert capabilities.v1_model_runner
         assert check_serving_support() is capabilities
         return
     with pytest.raises(UnsupportedVLLMVersion) as raised:
         check_serving_support()
     message = str(raised.value)
-    assert "no V1 GPU model runner" in message and "not ported to the V2" in message
+    if capabilities.v1_model_runner:  # 0.33: the runner is there, the hooks never ran on it
+        assert "no CPU build" in message and "keeps the V1 GPU model runner" in message
+    else:  # 0.34: the runner is gone
+        assert "no V1 GPU model runner" in message and "not ported to the V2" in message
     assert "install vLLM 0.32.0" in message
