@@ -101,9 +101,10 @@ print("setup: Qwen2-VL processor builds")
 PY
 # Client tests: playwright-core, typescript and json-schema-to-typescript (`make types`) for
 # clients/js (the browser test drives Debian's chromium, installed above). Without npm those
-# tests skip.
+# tests skip. npm ci runs again when the lockfile is newer than what it installed.
 if command -v npm >/dev/null 2>&1 \
-  && [ ! -d clients/js/node_modules/json-schema-to-typescript ]; then
+  && { [ ! -f clients/js/node_modules/.package-lock.json ] \
+    || [ clients/js/package-lock.json -nt clients/js/node_modules/.package-lock.json ]; }; then
   (cd clients/js && npm ci --no-audit --no-fund --loglevel=error) \
     || echo "setup: npm ci in clients/js failed; the browser test will skip"
 fi
