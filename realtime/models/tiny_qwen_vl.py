@@ -21,7 +21,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from realtime.models.tiny_vlm import CHAT_TEMPLATE, SPECIAL_TOKENS, VOCAB_SIZE, build_bpe_tokenizer
+from realtime.models.tiny_vlm import (
+    CHAT_TEMPLATE,
+    VOCAB_SIZE,
+    qwen_tokenizer_and_ids,
+)
 
 # Text model shared by both: hidden 128, 2 layers, 4/2 heads of 32 (the CPU attention minimum).
 _TEXT: dict[str, Any] = {
@@ -35,21 +39,6 @@ _TEXT: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
-
-
-def _tokenizer_and_ids(out: Path) -> tuple[Any, dict[str, int]]:
-    from transformers import AutoTokenizer
-
-    out.mkdir(parents=True, exist_ok=True)
-    build_bpe_tokenizer(
-        out,
-        special_tokens=SPECIAL_TOKENS,
-        chat_template=CHAT_TEMPLATE,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-    )
-    tok = AutoTokenizer.from_pretrained(str(out))
-    return tok, {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
 
 
 def _media_ids(ids: dict[str, int]) -> dict[str, int]:
@@ -81,7 +70,7 @@ def build_tiny_qwen3_vl(out: Path) -> None:
         Qwen3VLVideoProcessor,
     )
 
-    tok, ids = _tokenizer_and_ids(out)
+    tok, ids = qwen_tokenizer_and_ids(out)
     text_config = {
         **_TEXT,
         "head_dim": 32,
@@ -140,7 +129,7 @@ def build_tiny_qwen2_5_vl(out: Path) -> None:
         Qwen2VLVideoProcessor,
     )
 
-    tok, ids = _tokenizer_and_ids(out)
+    tok, ids = qwen_tokenizer_and_ids(out)
     text_config = {
         **_TEXT,
         "rope_parameters": {

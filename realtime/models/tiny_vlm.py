@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 1024
 SPECIAL_TOKENS = [
@@ -105,16 +106,10 @@ def build_bpe_tokenizer(
     fast.save_pretrained(str(out))
 
 
-def build_tiny_vlm(out: Path) -> None:
-    import torch
-    from transformers import (
-        AutoTokenizer,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
+def qwen_tokenizer_and_ids(out: Path) -> tuple[Any, dict[str, int]]:
+    """The tiny Qwen-VL models' tokenizer, saved to `out`, and the ids of its special tokens
+    (shared by tiny-qwen2-vl, tiny-qwen2.5-vl and tiny-qwen3-vl)."""
+    from transformers import AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     build_bpe_tokenizer(
@@ -125,7 +120,20 @@ def build_tiny_vlm(out: Path) -> None:
         pad_token="<|endoftext|>",
     )
     tok = AutoTokenizer.from_pretrained(str(out))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return tok, {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+
+
+def build_tiny_vlm(out: Path) -> None:
+    import torch
+    from transformers import (
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    tok, ids = qwen_tokenizer_and_ids(out)
     text_config = {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 128,
