@@ -11,7 +11,7 @@ holds the same tokens in the same segments at positions 0..n-1; its worker holds
 of the same width and top; and both answer the next frame with the same greedy tokens and the
 same log-probabilities (to 1e-4: one forward of the same function, so any position moved by the
 rebuild would show). The frames are prompted the way the server prompts them (`render_chunk`
-with the model's registered chat format), as JPEG bytes a client sends.
+with the model's registered chat format), as the JPEG and MP4 bytes a client sends.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 from protocol import Frame, SamplingConfig, SessionConfig
 from realtime.engine_session import ChunkFinished, EngineSession, render_chunk, whole_chunks
 from realtime.hub import storable_frames
-from realtime.media import decode_image
+from realtime.media import decode_clip, decode_image
 from realtime.models import registered_chat_format
 from realtime.session_store import MediaKind, held_media
 from retention.vllm_adapter.introspect import retention_state, worker_stats
@@ -65,13 +65,21 @@ def camera_jpeg(i: int) -> bytes:
     return out.getvalue()
 
 
-def frame(i: int, data: bytes | None, prompt: str | None = None) -> Frame:
-    kind = "image" if data is not None else "text"
+def camera_clip() -> bytes:
+    """A short MP4 clip as a client sends one (2 frames of 112x112)."""
+    from tests.reliability.fuzzcore import _clip
+
+    return _clip("mp4", "mpeg4", frames=2, size=112)
+
+
+def frame(
+    i: int, data: bytes | None, prompt: str | None = None, kind: MediaKind = "image"
+) -> Frame:
     return Frame(
         frame_index=i,
         frame_id=None,
-        kind=kind,
-        media_format="jpeg" if data is not None else None,
+        kind=kind if data is not None else "text",
+        media_format=("jpeg" if kind == "image" else "mp4") if data is not None else None,
         data=data or b"",
         text=None if data is not None else "",
         prompt=prompt,
@@ -159,9 +167,11 @@ async def test_a_rebuilt_video_session_equals_the_original_consolidated(
     first_new = 0
     try:
         for i in range(6):
-            data = camera_jpeg(i)
-            await ask(a, log_a, frame(i, data, "What colour?"), config)
-            media, new_index = held_media(media, a.snapshot, first_new, "image")
+            # The last chunk (retained whole) is a clip: images and clips are both stored.
+            kind: MediaKind = "video" if i == 5 else "image"
+            data = camera_clip() if kind == "video" else camera_jpeg(i)
+            await ask(a, log_a, frame(i, data, "What colour?", kind), config)
+            media, new_index = held_media(media, a.snapshot, first_new, kind)
             if new_index is not None:
                 stored[new_index] = data
             stored = {k: v for k, v in stored.items() if k in media}
@@ -174,7 +184,11 @@ async def test_a_rebuilt_video_session_equals_the_original_consolidated(
         assert set(stored) == set(media) and 0 in stored and len(stored) >= 2
         print("snapshot segments:", snap.segments, "frames stored:", sorted(stored))
         assert any(seg[4] for seg in snap.segments)  # a remnant, which the rebuild drops
-        decoded = {k: ("image", decode_image(stored[k])) for k in media}
+        assert media[0] == "image" and media[max(media)] == "video"
+        decoded = {
+            k: (kind, decode_image(stored[k]) if kind == "image" else decode_clip(stored[k]))
+            for k, kind in media.items()
+        }
         rebuilt = await b.restore(
             snap, chunks=a.chunks, turn_open=a.turn_open, media=decoded, pad_ids=pad_ids
         )
