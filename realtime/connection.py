@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -19,9 +20,11 @@ from starlette.websockets import WebSocketState
 from protocol import (
     AwaitBinary,
     CancelResponse,
+    CapacityExceeded,
     CloseSession,
     EngineError,
     ErrorEvent,
+    Frame,
     FrameAppendEvent,
     IdleTimeout,
     InternalError,
@@ -48,7 +51,7 @@ from protocol import (
 from realtime.drain import Lifecycle
 from realtime.hub import SessionHub, SessionRecord
 from realtime.resumption import ResumeTokens, new_token
-from realtime.session_store import StoredSession
+from realtime.session_store import MediaKind, StoredSession, held_media
 
 log = logging.getLogger("vllm_realtime")
 
@@ -131,6 +134,13 @@ class Connection:
         self.keeper: asyncio.Task[None] | None = None
         self.store_lock = asyncio.Lock()
         self.store_seq = 0
+        # Video sessions: the frame kind each stored (retained, whole) chunk segment holds, the
+        # snapshot's next segment index at the last fold, and the frames and deletions not yet
+        # written (a failed write retries them with the next fold).
+        self.media: dict[int, MediaKind] = {}
+        self.media_next = 0
+        self.frames_unwritten: dict[int, bytes] = {}
+        self.frames_to_drop: set[int] = set()
 
     async def send(self, event: ServerEvent) -> None:
         if isinstance(event, ErrorEvent):
@@ -444,17 +454,35 @@ class Connection:
         )
         self.keeper = asyncio.create_task(self._keep_lease())
 
-    def _stored_state(self) -> StoredSession:
-        """The session as its last fold left it (call between turns, or right after one)."""
+    def _stored_state(self, frame: Frame | None = None) -> StoredSession:
+        """The session as its last fold left it (call between turns, or right after one);
+        `frame`: the chunk just answered, whose frame (if any, and retained) is stored with it.
+        Notes the frames to write and to delete with this state (`frames_unwritten`,
+        `frames_to_drop`)."""
         assert self.record is not None and self.proto.config is not None
         es = self.record.engine_session
+        snapshot = es.snapshot
+        kind: MediaKind | None = None
+        if frame is not None and frame.kind != "text":
+            kind = frame.kind
+        media, new_index = held_media(self.media, snapshot, self.media_next, kind)
+        if new_index is not None and frame is not None:
+            self.frames_unwritten[new_index] = frame.data
+        gone = {i for i in (*self.media, *self.frames_unwritten) if i not in media}
+        for i in gone:
+            if self.frames_unwritten.pop(i, None) is None:
+                self.frames_to_drop.add(i)
+        self.media = media
+        if snapshot is not None:
+            self.media_next = snapshot.next_index
         return StoredSession(
             config=self.proto.config,
             frames_total=self.proto.frames_total,
             responses={str(k): v for k, v in self.proto.responses.items()},
             turn_open=es.turn_open,
             chunks=es.chunks,
-            snapshot=es.snapshot,
+            snapshot=snapshot,
+            media=dict(media),
         )
 
     async def _claim_from_store(
@@ -467,13 +495,22 @@ class Connection:
         if store is None:
             return None
         token = new_token()
-        claim = await store.claim(
-            action.session_id,
-            action.resume_token,
-            self.owner,
-            token,
-            max(self.hub.config.max_resume_grace_s, 1.0),
-        )
+        try:
+            claim = await store.claim(
+                action.session_id,
+                action.resume_token,
+                self.owner,
+                token,
+                max(self.hub.config.max_resume_grace_s, 1.0),
+            )
+        except Exception as exc:
+            # The store is unreachable: nothing was claimed, the token still works. Say so
+            # with the code of "cannot serve now, retry" (as while draining), not a server bug.
+            log.warning("session store claim failed: %s", type(exc).__name__)
+            raise CapacityExceeded(
+                "the session store is unreachable; retry session.resume shortly",
+                event_id=action.event_id,
+            ) from None
         if claim is None:
             return None
         assert self.resume_tokens is not None
@@ -484,19 +521,29 @@ class Connection:
         started = time.perf_counter()
         try:
             record, tokens = await self.hub.restore_session(
-                action.session_id, claim.stored, self.owner
+                action.session_id, claim.stored, self.owner, claim.frames
             )
-        except RealtimeError as exc:
-            # No room (or no engine) here: the presented token works again elsewhere.
-            await store.give_back(action.session_id, claim.fence, action.resume_token, 60.0)
+        except Exception as exc:
+            # No room (or no engine, or a rebuild refused) here: the presented token works
+            # again elsewhere.
+            try:
+                await store.give_back(action.session_id, claim.fence, action.resume_token, 60.0)
+            except Exception as store_exc:
+                log.warning("session store give-back failed: %s", type(store_exc).__name__)
+            if not isinstance(exc, RealtimeError):
+                log.exception("session rebuild failed")
+                exc = EngineError("the session could not be rebuilt on this server")
             exc.event_id = exc.event_id or action.event_id
-            raise
+            raise exc from None
         holder = Connection(
             self.ws, self.hub, self.owner, self.lifecycle, self.resume_tokens, self.connections
         )
         holder.proto = record.protocol
         holder.record = record
         holder.fence = claim.fence
+        holder.media = dict(claim.stored.media)  # their bytes are in the store already
+        snapshot = claim.stored.snapshot
+        holder.media_next = 0 if snapshot is None else snapshot.next_index
         holder.parked = True  # take_over attaches it, as a parked one
         self.hub.metrics.sessions_parked.inc()
         took = time.perf_counter() - started
@@ -566,26 +613,33 @@ class Connection:
             await es.settle()
             async with self.store_lock:
                 if seq == self.store_seq and es.snapshot is not None:
+                    # The consolidation dropped remnants: a frame cut by eviction goes now.
+                    fresh = self._stored_state()
                     await self._write(
-                        StoredSession(
-                            state.config,
-                            state.frames_total,
-                            state.responses,
-                            state.turn_open,
-                            state.chunks,
-                            es.snapshot,
-                        )
+                        dataclasses.replace(state, snapshot=fresh.snapshot, media=fresh.media)
                     )
 
     async def _write(self, state: StoredSession) -> bool:
         store = self.hub.store
         if store is None or self.fence is None:
             return False
+        frames, drop = dict(self.frames_unwritten), set(self.frames_to_drop)
         try:
-            ok = await store.write(self.proto.session_id, self.fence, state, self._grace())
+            ok = await store.write(
+                self.proto.session_id,
+                self.fence,
+                state,
+                self._grace(),
+                frames=frames,
+                drop_frames=sorted(drop),
+            )
         except Exception as exc:
             log.warning("session store write failed: %s", type(exc).__name__)
             return False
+        if ok:
+            for i in frames:
+                self.frames_unwritten.pop(i, None)
+            self.frames_to_drop -= drop
         self.hub.metrics.store_bytes_per_fold.observe(store.bytes_written_last)
         if not ok:
             await self._let_go()
@@ -609,7 +663,7 @@ class Connection:
             stored = None
             if self.fence is not None and outcome.close_reason is None:
                 # Written before response.done: a client that has its reply can resume it.
-                stored = self._stored_state()
+                stored = self._stored_state(frame)
                 await self._persist(stored)
             await self.send(outcome.done)
             if stored is not None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,56 @@ def render_chunk(
     if mm:
         prompt["multi_modal_data"] = mm
     return prompt
+
+
+def whole_chunks(snapshot: SessionSnapshot) -> SessionSnapshot:
+    """`snapshot` without its remnants (pieces of chunks cut by block-aligned eviction): what
+    an mRoPE consolidation re-prefills (retention/vllm_adapter/eviction.py drops them first;
+    a remnant may hold placeholder tokens of a frame the engine already dropped)."""
+    if not any(seg[4] for seg in snapshot.segments):
+        return snapshot
+    tokens: list[int] = []
+    segments = []
+    start = 0
+    for seg in snapshot.segments:
+        end = start + seg[2]
+        if not seg[4]:
+            tokens += snapshot.token_ids[start:end]
+            segments.append(seg)
+        start = end
+    return dataclasses.replace(snapshot, token_ids=tokens, segments=segments)
+
+
+def media_prompt(
+    snapshot: SessionSnapshot,
+    media: Mapping[int, tuple[str, Any]],
+    pad_ids: Mapping[str, int],
+) -> tuple[list[int], dict[str, list[Any]]]:
+    """The rebuild prompt of a video session: its held tokens with each frame's run of
+    placeholder pads collapsed to one pad (vLLM's processor expands it again from the frame),
+    and the frames as `multi_modal_data`, each modality in prompt order. Raises
+    `EngineError` for a whole segment that holds pads but no stored frame."""
+    pads = set(pad_ids.values())
+    ids: list[int] = []
+    mm: dict[str, list[Any]] = {}
+    start = 0
+    for seg in snapshot.segments:
+        index, n = seg[0], seg[2]
+        piece = snapshot.token_ids[start : start + n]
+        start += n
+        item = media.get(index)
+        if item is None:
+            if pads.intersection(piece):
+                raise EngineError(f"segment {index} holds a frame the record does not")
+            ids += piece
+            continue
+        kind, data = item
+        pad = pad_ids[kind]
+        for token in piece:
+            if token != pad or not ids or ids[-1] != pad:
+                ids.append(token)
+        mm.setdefault(kind, []).append(data)
+    return ids, mm
 
 
 def _engine_failure(
@@ -450,21 +501,50 @@ class EngineSession:
                 )
                 return
 
-    async def restore(self, snapshot: SessionSnapshot, *, chunks: int, turn_open: bool) -> int:
+    async def restore(
+        self,
+        snapshot: SessionSnapshot,
+        *,
+        chunks: int,
+        turn_open: bool,
+        media: Mapping[int, tuple[str, Any]] | None = None,
+        pad_ids: Mapping[str, int] | None = None,
+    ) -> int:
         """Rebuild this (new) session from another replica's snapshot: one chunk whose prompt
         is the held tokens, prefilled at 0..n-1 in a consolidation's pieces; the engine
         records them as the snapshot's history (`policy.RESTORE_KEY`). Afterwards the session
-        is what the original was after a consolidation. Returns the tokens re-prefilled."""
+        is what the original was after a consolidation. Returns the tokens re-prefilled.
+
+        A video session (`media`: each retained frame's kind and decoded data by segment
+        index; `pad_ids`: the model's placeholder token per kind) is rebuilt as an mRoPE
+        consolidation re-prefills it: remnants dropped, every retained frame passed again as
+        `multi_modal_data` in prompt order. vLLM's processor expands each placeholder from a
+        single pad token, so each frame's run of pads is collapsed to one here, and the
+        re-expanded prompt must give back the snapshot's tokens exactly (checked after the
+        rebuild: a rebuild that holds anything else is refused, never served)."""
         from vllm.inputs import TokensPrompt
 
         if self.chunks or not self.bounded:
             raise RuntimeError("restore() rebuilds a new bounded session only")
+        prompt: dict[str, Any]
+        if media is not None:
+            snapshot = whole_chunks(snapshot)
+            ids, mm = media_prompt(snapshot, media, pad_ids or {})
+            prompt = dict(TokensPrompt(prompt_token_ids=ids))
+            if mm:
+                prompt["multi_modal_data"] = mm
+        else:
+            prompt = dict(TokensPrompt(prompt_token_ids=list(snapshot.token_ids)))
         params = self.chunk_params(reply=False)
         history = {k: v for k, v in snapshot.to_dict().items() if k != "token_ids"}
         params.extra_args = {**(params.extra_args or {}), RESTORE_KEY: history}
-        prompt = TokensPrompt(prompt_token_ids=list(snapshot.token_ids))
-        async for _ in self.run_chunk(dict(prompt), params, reply=False):
+        async for _ in self.run_chunk(prompt, params, reply=False):
             pass
+        held = self.snapshot
+        if held is not None and (
+            held.token_ids != snapshot.token_ids or held.segments != snapshot.segments
+        ):
+            raise EngineError("the rebuilt session does not hold what its record holds")
         self.chunks = chunks
         self.turn_open = turn_open
         return len(snapshot.token_ids)

@@ -61,7 +61,7 @@ from realtime.engine_session import (
     render_chunk,
     served_model_family,
 )
-from realtime.media import MAX_CLIP_FRAMES
+from realtime.media import MAX_CLIP_FRAMES, decode_clip, decode_image
 from realtime.metrics import Metrics
 from realtime.prompt_format import ChatFormat
 from realtime.session_store import SessionStore, StoredSession
@@ -107,6 +107,38 @@ def calibration_frame(kind: ChunkKind, index: int) -> Frame:
         prompt=None,
         timestamp=None,
     )
+
+
+# Families whose frames are one run of one placeholder token each (images and clips alike), so a
+# rebuild can pass them again from single pads (realtime/engine_session.media_prompt). Qwen3-VL
+# writes a clip's timestamps between its frames' runs, and SmolVLM splits an image into tiles
+# with their own tokens: their video sessions stay resumable on their own replica only.
+_STORABLE_FRAME_FAMILIES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def storable_frames(engine: Any) -> dict[str, int] | None:
+    """The served model's placeholder token per frame kind, if its video sessions can be
+    stored (rebuilt elsewhere from their frames); else None."""
+    config = engine.model_config.hf_config
+    if not set(getattr(config, "architectures", None) or ()) & set(_STORABLE_FRAME_FAMILIES):
+        return None
+    image, video = getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)
+    if not isinstance(image, int) or not isinstance(video, int):
+        return None
+    return {"image": image, "video": video}
+
+
+def decode_stored_frames(
+    stored: StoredSession, frames: dict[int, bytes]
+) -> dict[int, tuple[str, Any]]:
+    """A stored video session's retained frames, decoded as the live session decoded them."""
+    media: dict[int, tuple[str, Any]] = {}
+    for index, kind in stored.media.items():
+        data = frames.get(index)
+        if data is None:
+            raise EngineError(f"the session's record lacks the frame of segment {index}")
+        media[index] = (kind, decode_image(data) if kind == "image" else decode_clip(data))
+    return media
 
 
 @dataclass
@@ -193,16 +225,19 @@ class SessionHub:
         self._turns_started = 0
         # The shared session store (`serve --session-store`), connected by start().
         self.store: SessionStore | None = None
+        # The model's placeholder token per frame kind, where a video session can be stored
+        # (set by start(); None: video sessions stay resumable on their own replica only).
+        self.pad_ids: dict[str, int] | None = None
 
     def stored(self, config: SessionConfig) -> bool:
         """Whether a session is kept in the session store: resumable, bounded in the engine
-        (its snapshot is its window) and text (frames' pixels are not in a snapshot: a video
-        session stays resumable on its own replica only)."""
+        (its snapshot is its window), and text, or video on a model whose frames a rebuild
+        can pass again (`pad_ids`: each image or clip is one run of one placeholder token)."""
         return (
             self.store is not None
             and config.resumable is not None
             and config.retention.enabled
-            and config.modality == "text"
+            and (config.modality == "text" or self.pad_ids is not None)
         )
 
     async def start(self) -> None:
@@ -210,6 +245,7 @@ class SessionHub:
         # reason (retention/vllm_adapter/model_families.py), before anything is served.
         family, positions = served_model_family(self.engine)
         log.info("model family: %s (%s positions)", family, positions)
+        self.pad_ids = storable_frames(self.engine) if self.multimodal else None
         if self.config.session_store is not None and self.store is None:
             replica = f"{socket.gethostname()}:{self.config.port}:{secrets.token_hex(4)}"
             self.store = SessionStore.connect(self.config.session_store, replica)
@@ -388,11 +424,16 @@ class SessionHub:
         return [c for r in self.sessions.values() if (c := r.protocol.config) is not None]
 
     async def restore_session(
-        self, session_id: str, stored: StoredSession, owner: str | None
+        self,
+        session_id: str,
+        stored: StoredSession,
+        owner: str | None,
+        frames: dict[int, bytes] | None = None,
     ) -> tuple[SessionRecord, int]:
         """Rebuild a session another replica held, from its record in the session store: the
-        same id, config and counters, and its retained tokens re-prefilled once. The session
-        and the tokens re-prefilled."""
+        same id, config and counters, and its retained tokens re-prefilled once (a video
+        session's with its retained `frames`, the bytes the client sent, by segment index).
+        The session and the tokens re-prefilled."""
         protocol = SessionProtocol.restored(
             self.limits(),
             session_id=session_id,
@@ -404,8 +445,15 @@ class SessionHub:
         tokens = 0
         try:
             if stored.snapshot is not None:
+                media = None
+                if stored.config.modality == "video":
+                    media = await asyncio.to_thread(decode_stored_frames, stored, frames or {})
                 tokens = await record.engine_session.restore(
-                    stored.snapshot, chunks=stored.chunks, turn_open=stored.turn_open
+                    stored.snapshot,
+                    chunks=stored.chunks,
+                    turn_open=stored.turn_open,
+                    media=media,
+                    pad_ids=self.pad_ids,
                 )
         except BaseException:
             await self.close_session(record)

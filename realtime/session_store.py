@@ -18,7 +18,13 @@ owner stops, and the hash is gone one grace period later):
   lease never makes a second writer.
 * `lease`: the replica that holds the session (for the logs and the router).
 * `state`: the session's rebuild record (`StoredSession`: config, counters, the engine's
-  `SessionSnapshot`), JSON. Its size is bounded by the window: the retained token ids.
+  `SessionSnapshot`, which retained segment holds which kind of frame), JSON. Its size is
+  bounded by the window: the retained token ids.
+* `frame:<segment>` (video sessions): the bytes the client sent for the frame or clip of that
+  retained history segment (base64: the client decodes replies as text), one field per sink or
+  window chunk. A fold writes its new frame and deletes the fields of the chunks its eviction
+  drops, in the same fenced script as `state`; the fields live and die with the hash (its TTL,
+  close, expiry), so no frame outlives the grace period.
 
 A claim rotates the token digest in the same script, so a token works once (a replayed one is
 refused). Close and expiry delete the hash (fenced), and Redis' TTL removes what a dead replica
@@ -27,11 +33,13 @@ left: nothing of a session outlives its grace period.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 from protocol import SessionConfig
@@ -40,6 +48,9 @@ from retention.records import SessionSnapshot
 log = logging.getLogger("vllm_realtime")
 
 _PREFIX = "vrt:session:"
+_FRAME = "frame:"
+
+MediaKind = Literal["image", "video"]
 
 # KEYS[1] the session; ARGV: token digest, owner digest, new token digest, replica, ttl (ms).
 _CLAIM = """
@@ -48,13 +59,32 @@ if not h[1] or h[1] ~= ARGV[1] or h[2] ~= ARGV[2] then return false end
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('HSET', KEYS[1], 'token', ARGV[3], 'lease', ARGV[4])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
-return {fence, h[3]}
+local out = {fence, h[3]}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if string.sub(all[i], 1, 6) == 'frame:' then
+    out[#out + 1] = all[i]
+    out[#out + 1] = all[i + 1]
+  end
+end
+return out
 """
 
 # ARGV: fence, ttl (ms), then field/value pairs to set. 1: done; 0: the fence moved on.
 _FENCED_SET = """
 if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end
 for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# ARGV: fence, ttl (ms), n, then n fields to delete, then field/value pairs to set (a fold:
+# its state and new frame, and the frames its eviction dropped). 1: done; 0: the fence moved on.
+_FENCED_WRITE = """
+if redis.call('HGET', KEYS[1], 'fence') ~= ARGV[1] then return 0 end
+local n = tonumber(ARGV[3])
+for i = 4, 3 + n do redis.call('HDEL', KEYS[1], ARGV[i]) end
+for i = 4 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
@@ -86,6 +116,9 @@ class StoredSession:
     """Chunks the engine session ran (the first one carries the instructions)."""
     snapshot: SessionSnapshot | None
     """The engine's held tokens and history at the last fold (None before the first)."""
+    media: dict[int, MediaKind] = field(default_factory=dict)
+    """Video sessions: the kind of frame each retained (whole) chunk segment holds, by segment
+    index; its bytes are the hash's `frame:<index>` field."""
 
     def to_json(self) -> str:
         body: dict[str, Any] = {
@@ -95,6 +128,7 @@ class StoredSession:
             "turn_open": self.turn_open,
             "chunks": self.chunks,
             "snapshot": None if self.snapshot is None else self.snapshot.to_dict(),
+            "media": sorted(self.media.items()),
         }
         return json.dumps(body, separators=(",", ":"))
 
@@ -109,7 +143,46 @@ class StoredSession:
             turn_open=bool(body["turn_open"]),
             chunks=int(body["chunks"]),
             snapshot=None if snap is None else SessionSnapshot.from_dict(snap),
+            media={int(i): _media_kind(k) for i, k in body.get("media", [])},
         )
+
+
+def _media_kind(kind: str) -> MediaKind:
+    if kind not in ("image", "video"):
+        raise ValueError(f"stored frame of unknown kind {kind!r}")
+    return "image" if kind == "image" else "video"
+
+
+def held_media(
+    held: Mapping[int, MediaKind],
+    snapshot: SessionSnapshot | None,
+    first_new: int,
+    kind: MediaKind | None,
+) -> tuple[dict[int, MediaKind], int | None]:
+    """Which retained segments hold a frame after a chunk boundary, and which segment the
+    chunk just answered became (None: it holds no frame, or it is not retained).
+
+    `held`: the frames stored before; `first_new`: the snapshot's `next_index` before this
+    chunk (its segments are numbered from there); `kind`: the chunk's frame kind, None for a
+    text chunk or a control chunk. A frame is kept only while its chunk's segment is whole: a
+    remnant (a chunk cut by block-aligned eviction) lost its frame in the engine too, and a
+    rebuild drops remnants, as an mRoPE consolidation does."""
+    if snapshot is None:
+        return {}, None
+    whole = {seg[0] for seg in snapshot.segments if not seg[4]}
+    media = {i: k for i, k in held.items() if i in whole}
+    new_index = None
+    if kind is not None:
+        # One "frame" segment (text window) or one "chunk" segment (chunk and reply) per chunk.
+        fresh = [
+            seg[0]
+            for seg in snapshot.segments
+            if seg[0] >= first_new and seg[1] in ("frame", "chunk") and not seg[4]
+        ]
+        if fresh:
+            new_index = fresh[0]
+            media[new_index] = kind
+    return media, new_index
 
 
 @dataclass(frozen=True)
@@ -118,6 +191,8 @@ class Claim:
 
     fence: int
     stored: StoredSession
+    frames: dict[int, bytes] = field(default_factory=dict)
+    """The stored frames' bytes by segment index (video sessions)."""
 
 
 class SessionStore:
@@ -129,6 +204,7 @@ class SessionStore:
         self._claim = client.register_script(_CLAIM)
         self._set = client.register_script(_FENCED_SET)
         self._delete = client.register_script(_FENCED_DELETE)
+        self._write = client.register_script(_FENCED_WRITE)
         self.bytes_written_last = 0
 
     @classmethod
@@ -180,16 +256,34 @@ class SessionStore:
         )
         if not got:
             return None
-        fence, raw = got
-        return Claim(int(fence), StoredSession.from_json(raw))
+        fence, raw, *pairs = got
+        frames = {
+            int(name[len(_FRAME) :]): base64.b64decode(value)
+            for name, value in zip(pairs[::2], pairs[1::2], strict=True)
+        }
+        return Claim(int(fence), StoredSession.from_json(raw), frames)
 
     async def write(
-        self, session_id: str, fence: int, state: StoredSession, grace_s: float
+        self,
+        session_id: str,
+        fence: int,
+        state: StoredSession,
+        grace_s: float,
+        *,
+        frames: Mapping[int, bytes] | None = None,
+        drop_frames: Iterable[int] = (),
     ) -> bool:
-        """Write the session's record at a fold; False if another replica holds it now."""
+        """Write the session's record at a fold, with the frames it adds (`frames`, by segment
+        index) and without those its eviction dropped; False if another replica holds it now."""
         raw = state.to_json()
-        self.bytes_written_last = len(raw.encode())
-        ok = await self._set(keys=[self.key(session_id)], args=[fence, _ms(grace_s), "state", raw])
+        drop = [_FRAME + str(i) for i in drop_frames]
+        pairs: list[str] = ["state", raw]
+        for index, data in (frames or {}).items():
+            pairs += [_FRAME + str(index), base64.b64encode(data).decode("ascii")]
+        self.bytes_written_last = sum(len(p) for p in pairs[1::2])
+        ok = await self._write(
+            keys=[self.key(session_id)], args=[fence, _ms(grace_s), len(drop), *drop, *pairs]
+        )
         return bool(ok)
 
     async def refresh(self, session_id: str, fence: int, grace_s: float) -> bool:

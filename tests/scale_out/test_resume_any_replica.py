@@ -99,13 +99,15 @@ class Replica:
             self.proc.wait(timeout=10)
 
 
-def start_replica(redis_url: str, logdir: Path, name: str) -> Replica:
+def start_replica(
+    redis_url: str, logdir: Path, name: str, args: list[str] | None = None
+) -> Replica:
     port = free_port()
     log = logdir / f"{name}.log"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "realtime.cli", "serve", "--port", str(port)]
     proc = subprocess.Popen(
-        [*cmd, "--session-store", redis_url, *REPLICA_ARGS],
+        [*cmd, "--session-store", redis_url, *(REPLICA_ARGS if args is None else args)],
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
         env=env,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from protocol import SessionConfig
-from realtime.session_store import SessionStore, StoredSession
+from realtime.session_store import SessionStore, StoredSession, held_media
 from retention.records import SessionSnapshot
 
 GRACE = 30.0
@@ -93,3 +93,79 @@ async def test_give_back_restores_the_presented_token(
     assert claim is not None
     assert await b.give_back("s1", claim.fence, "tok-1", GRACE)
     assert await a.claim("s1", "tok-1", "key-a", "tok-3", GRACE) is not None
+
+
+def video_state(media: dict[int, str], frames_total: int = 3) -> StoredSession:
+    snap = SessionSnapshot(
+        token_ids=[1, 2, 3, 4, 5],
+        segments=[(0, "chunk", 3, True, False), (2, "chunk", 2, False, False)],
+        next_index=3,
+        chunks=3,
+    )
+    return StoredSession(
+        SessionConfig(modality="video"),
+        frames_total,
+        {"completed": frames_total},
+        True,
+        frames_total,
+        snap,
+        media,  # type: ignore[arg-type]  # literal kinds
+    )
+
+
+async def test_frames_live_and_die_with_the_record(
+    stores: tuple[SessionStore, SessionStore],
+) -> None:
+    """A video session's frames: written with the fold that retains them, deleted with the
+    fold that evicts them, fenced like the state, handed to the claimer, and gone with the
+    session (close, expiry)."""
+    a, b = stores
+    jpeg0, jpeg1, jpeg2 = b"\xff\xd8zero\x00", b"\xff\xd8one\xff", b"\xff\xd8two"
+    fence = await a.create("s1", "key-a", "tok-1", GRACE, video_state({}, 0))
+    assert await a.write("s1", fence, video_state({0: "image"}, 1), GRACE, frames={0: jpeg0})
+    assert await a.write(
+        "s1", fence, video_state({0: "image", 1: "image"}, 2), GRACE, frames={1: jpeg1}
+    )
+    # The third fold evicts segment 1: its frame is deleted in the same write.
+    state = video_state({0: "image", 2: "video"}, 3)
+    assert await a.write("s1", fence, state, GRACE, frames={2: jpeg2}, drop_frames=[1])
+    fields = await a.redis.hkeys(a.key("s1"))
+    assert sorted(f for f in fields if f.startswith("frame:")) == ["frame:0", "frame:2"]
+    claim = await b.claim("s1", "tok-1", "key-a", "tok-2", GRACE)
+    assert claim is not None
+    assert claim.frames == {0: jpeg0, 2: jpeg2}  # bytes exactly as written
+    assert claim.stored.media == {0: "image", 2: "video"}
+    # The old owner's fence is refused: no frame of its lands after the claim.
+    assert not await a.write("s1", fence, state, GRACE, frames={5: b"late"})
+    assert "frame:5" not in await a.redis.hkeys(a.key("s1"))
+    assert await b.delete("s1", claim.fence)
+    assert await a.redis.keys("*") == []
+    # Expiry removes the frames with the rest.
+    fence = await a.create("s2", "key-a", "tok-1", 0.3, video_state({}, 0))
+    assert await a.write("s2", fence, video_state({0: "image"}, 1), 0.3, frames={0: jpeg0})
+    await asyncio.sleep(0.5)
+    assert await a.redis.keys("*") == []
+
+
+def test_held_media_follows_the_window() -> None:
+    def snap(segments: list[tuple[int, str, int, bool, bool]], next_index: int) -> SessionSnapshot:
+        n = sum(s[2] for s in segments)
+        return SessionSnapshot(list(range(n)), segments, next_index, next_index)
+
+    # No text window: one "chunk" segment per chunk. Chunk 0 (instructions) is text.
+    s1 = snap([(0, "chunk", 4, False, False)], 1)
+    assert held_media({}, s1, 0, None) == ({}, None)
+    s2 = snap([(0, "chunk", 4, False, False), (1, "chunk", 3, False, False)], 2)
+    assert held_media({}, s2, 1, "image") == ({1: "image"}, 1)
+    # Chunk 2's fold evicts chunk 1 whole: its frame goes, chunk 2's comes.
+    s3 = snap([(0, "chunk", 4, False, False), (2, "chunk", 3, False, False)], 3)
+    assert held_media({1: "image"}, s3, 2, "video") == ({2: "video"}, 2)
+    # A remnant (a chunk cut by block-aligned eviction) keeps no frame.
+    s4 = snap([(0, "chunk", 4, False, False), (2, "chunk", 1, False, True)], 3)
+    assert held_media({2: "video"}, s4, 3, None) == ({}, None)
+    # Text window: the frame is the "frame" segment, not the reply segments around it.
+    s5 = snap(
+        [(0, "text", 4, True, False), (1, "frame", 3, False, False), (2, "reply", 2, False, False)],
+        3,
+    )
+    assert held_media({}, s5, 1, "image") == ({1: "image"}, 1)
