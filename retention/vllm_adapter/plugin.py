@@ -16,7 +16,10 @@ where vLLM has it (the capability record, capabilities.py); elsewhere the schedu
 start, with the reason (`check_serving_support`), so no session runs without them.
 
 Our front end installs its own half (`install_front_end_hooks`) from `realtime/engine.py`, in the
-process that starts the engine, not through this entry point.
+process that starts the engine, not through this entry point. An engine run inside its front
+end's process (`vllm.LLM` with VLLM_ENABLE_V1_MULTIPROCESSING=0) would get no hooks: vLLM loads
+the plugins there once, from the front end, before any config exists. `start_engine` starts
+`AsyncLLM`, whose EngineCore always runs in a process of its own.
 """
 
 from __future__ import annotations
