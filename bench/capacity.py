@@ -152,6 +152,7 @@ def _settings(args: argparse.Namespace) -> Any:
         dtype="float32",
         max_num_seqs=256,
         block_size=args.block_size,
+        introspection=True,  # retention_state: the held blocks each session reports
     )
     if args.pool_blocks:
         # A pool of that many blocks (the tiny VLM's default KV size is thousands of blocks).

@@ -199,12 +199,12 @@ async def _heap_end(
 async def run_soak(args: argparse.Namespace) -> dict[str, Any]:
     import websockets
 
-    from retention.vllm_adapter.diagnostics import DIAGNOSTICS_ENV, heap_stats
+    from retention.vllm_adapter.diagnostics import heap_stats
 
-    if args.heap_every or args.trace:
-        # Heap diagnostics are installed only on request, in every engine process.
-        os.environ[DIAGNOSTICS_ENV] = "1"
-    settings = _engine_settings("smollm2-135m-instruct", max_num_seqs=4)
+    # Heap diagnostics are installed only on request (the engine's introspection setting).
+    settings = _engine_settings(
+        "smollm2-135m-instruct", max_num_seqs=4, introspection=bool(args.heap_every or args.trace)
+    )
     records: list[dict[str, Any]] = []
     warm_frame = args.frames // 10
     types_at_warm: dict[str, Any] = {}

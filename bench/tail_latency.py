@@ -200,6 +200,8 @@ def _settings(args: argparse.Namespace, model: str, executor: str | None) -> Any
         block_size=args.block_size,
         max_num_seqs=4,
         dtype="float32",
+        # heap_stats (timeline, trim_read, step sizes), worker_stats and retention_state.
+        introspection=True,
         extra=extra,
     )
 
@@ -223,14 +225,12 @@ async def run_session(
     args: argparse.Namespace, model: str, mode: str, executor: str | None = None
 ) -> dict[str, Any]:
     from realtime.engine import start_engine
-    from retention.vllm_adapter.diagnostics import DIAGNOSTICS_ENV
     from retention.vllm_adapter.eviction import REPREFILL_PIECE_ENV
 
     video = model in (VIDEO_MODEL, SMOL_VIDEO_MODEL)
     frames = args.video_frames if video else args.text_frames
     # Read by the engine processes at start-up (they inherit this environment).
     os.environ[REPREFILL_PIECE_ENV] = str(0 if mode == "inline" else args.piece)
-    os.environ[DIAGNOSTICS_ENV] = "1"
     budget = _budget(args, video, mode)
     before = _machine(args)
     engine = start_engine(_settings(args, model, executor))

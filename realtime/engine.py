@@ -193,6 +193,9 @@ class EngineSettings:
     seed: int = 0
     # None: eager on CPU (the CPU build captures no graphs), CUDA graphs on a GPU.
     enforce_eager: bool | None = None
+    # Also install the utilities only tests and benchmarks call (retention_state, worker_stats,
+    # heap_stats): retention/vllm_adapter/settings.py. `serve` never sets it.
+    introspection: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def with_overrides(self, **kwargs: Any) -> EngineSettings:
@@ -254,6 +257,18 @@ def _kv_pool(
     return kv_bytes, kv_note
 
 
+def _with_realtime_settings(additional: Any, settings: EngineSettings) -> dict[str, Any]:
+    """vLLM's `additional_config` with our settings under our key: they reach EngineCore and the
+    workers inside the engine's config, and mark the engine as ours, the one kind the plugin
+    installs its hooks in (retention/vllm_adapter/plugin.py). An operator's own keys are kept."""
+    from retention.vllm_adapter.settings import INTROSPECTION, REALTIME_CONFIG_KEY
+
+    if additional is not None and not isinstance(additional, dict):
+        raise EngineConfigError("--additional-config must be a JSON object")
+    ours = {INTROSPECTION: settings.introspection}
+    return {**(additional or {}), REALTIME_CONFIG_KEY: ours}
+
+
 def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None = None) -> Any:
     """vLLM's AsyncEngineArgs for `settings` on `platform` (detected when None). Logs what it
     decided for the platform: the model runner is chosen separately (select_model_runner)."""
@@ -296,6 +311,7 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
     elif not platform.cuda:
         kwargs["block_size"] = CPU_DEFAULT_BLOCK_SIZE
     kwargs.update(extra)
+    kwargs["additional_config"] = _with_realtime_settings(kwargs.get("additional_config"), settings)
     log.info(
         "engine on %s: context %s, KV pool %s, %s",
         "CUDA" if platform.cuda else "CPU",
@@ -322,6 +338,10 @@ def start_engine(settings: EngineSettings, platform: EnginePlatform | None = Non
         check_serving_support()
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from retention.vllm_adapter.plugin import install_front_end_hooks
+
+    # The engine processes get theirs from the plugin, which finds our settings in their config.
+    install_front_end_hooks()
     args = build_engine_args(settings, platform)
     if args.data_parallel_size and int(args.data_parallel_size) > 1:
         raise EngineConfigError(

@@ -29,6 +29,9 @@ def engine_settings(model: str, **overrides: object):  # type: ignore[no-untyped
         block_size=TEST_BLOCK_SIZE,
         max_num_seqs=16,
         dtype="float32",
+        # The tests read retention bookkeeping and worker state (retention_state, worker_stats),
+        # which a `serve` engine does not carry (tests/retention/test_plugin_scope.py).
+        introspection=True,
     )
     return base.with_overrides(**overrides)
 

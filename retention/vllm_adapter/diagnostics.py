@@ -1,26 +1,20 @@
 """Memory diagnostics for bench/soak.py and bench/tail_latency.py, never in a production engine.
 
-Installed only on request: set `VLLM_REALTIME_DIAGNOSTICS=1` in the environment before the
-engine starts (the plugin then adds the utility to EngineCore and the workers in every process);
-`bench.soak` does so. tracemalloc and gc walks are slow, and an `execute_model` wrapper has no
-place in a serving engine.
+Installed only in an engine started with introspection (`EngineSettings(introspection=True)`,
+carried in the engine's config: settings.py); the plugin then adds `heap_stats` to EngineCore and
+the workers (`introspect.install_introspection`). Installing adds one method and costs nothing
+per step; its actions are what is slow (tracemalloc, gc walks, the `execute_model` wrappers of
+"steps_start" and "timeline_start"), and they run only when a benchmark asks.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 from retention.vllm_adapter.heap_trim import libc_function, trim_now
 from retention.vllm_adapter.introspect import _rss_bytes, _rss_split
-
-DIAGNOSTICS_ENV: Final = "VLLM_REALTIME_DIAGNOSTICS"
-
-
-def requested() -> bool:
-    return os.environ.get(DIAGNOSTICS_ENV, "") not in ("", "0")
-
 
 HEAP_STATS_METHOD = "vllm_realtime_heap_stats"
 # Per-process diagnostic state: "mallinfo2" (bound once: a ctypes type per call would leak),
@@ -219,9 +213,7 @@ def _short_frame(frame: Any) -> str:
 
 
 def install_diagnostics() -> None:
-    """Idempotently add `_heap_stats` to EngineCore and the workers (only when requested)."""
-    if not requested():
-        return
+    """Idempotently add `_heap_stats` to EngineCore and the workers (introspection only)."""
     from vllm.v1.engine.core import EngineCore
 
     from retention.vllm_adapter.import_hooks import patch_on_import
@@ -238,7 +230,7 @@ def _patch_worker(module: Any) -> None:
 
 async def heap_stats(engine: Any, action: str = "read") -> dict[str, Any]:
     """From the front end: `_heap_stats` of the EngineCore and of each worker (the engine must
-    have been started with diagnostics requested)."""
+    have been started with introspection)."""
     core = await engine.engine_core.call_utility_async(HEAP_STATS_METHOD, action)
     workers = await engine.collective_rpc(HEAP_STATS_METHOD, args=(action,))
     return {"engine_core": core, "workers": workers}

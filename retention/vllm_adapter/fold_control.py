@@ -29,8 +29,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from retention.vllm_adapter.heap_trim import trim_free_heap
-
 FOLD_CONTROL_KEY: Final = "vllm_realtime.fold_control"
 FOLD_CONTROL_VERSION: Final = 2
 _FOLD_ATTR: Final = "_vllm_realtime_fold"
@@ -77,6 +75,12 @@ class FoldControl:
                     f"[0, {self.held_before})"
                 )
             end = b
+
+    @property
+    def consolidates(self) -> bool:
+        """A re-prefill consolidation: the fold resets the session's positions after its first
+        chunk (the worker then releases memory: `heap_trim.release_after_consolidation`)."""
+        return self.reset and self.fold > 0
 
     def to_args(self) -> dict[str, Any]:
         """Plain values only: the params cross a process boundary (msgpack)."""
@@ -174,6 +178,3 @@ def accept_fold(req_state: Any, control: FoldControl) -> None:
             f"times, the worker saw {resumes} resumes"
         )
     setattr(req_state, _FOLD_ATTR, control.fold)
-    if control.reset and control.fold > 0:
-        # A consolidation: the previous window's re-prefill activations are free by now.
-        trim_free_heap()

@@ -3,8 +3,15 @@
 Why: over 1,000 bounded video frames (bench/tail_latency.py, docs/history/benchmarks-2026.md) the worker's
 malloc bytes in use stayed flat while its RSS grew ~1 MB per 1,000 frames: glibc keeps what the
 large, short-lived activations of re-prefill steps free in its arenas. `malloc_trim(0)` returns
-it. Called on a consolidation's fold, at most once per `MIN_INTERVAL_S` per process, so many
-sessions consolidating together cost one trim.
+it, at most once per `MIN_INTERVAL_S` per process, so many sessions consolidating together cost
+one trim.
+
+Where: `release_after_consolidation`, the worker's one memory step, called by the worker hooks
+right after they accept a consolidation's fold record (`positions.py` for 1D RoPE, `mrope.py`):
+the one point where the worker learns that a consolidation begins; by then the previous
+consolidation's re-prefill activations are free. The fold record's checks (`fold_control.py`)
+have no side effects. The diagnostics' `trim_read` (`diagnostics.py`) trims unconditionally
+(`trim_now`) before it reads the memory a process holds.
 """
 
 from __future__ import annotations
@@ -54,3 +61,9 @@ def trim_free_heap(now: float | None = None) -> bool:
     _STATE["last"] = now
     fn(0)
     return True
+
+
+def release_after_consolidation(control: Any) -> bool:
+    """The worker's memory step at a fold (`control`: its `FoldControl`): at a consolidation,
+    give the free heap back to the OS (rate-limited, `trim_free_heap`). True when it trimmed."""
+    return bool(control.consolidates) and trim_free_heap()

@@ -1,8 +1,14 @@
-"""Read-only EngineCore utilities the server and tests call through `call_utility_async`.
+"""Read-only engine utilities the server, tests and benchmarks call from the front end.
 
-vLLM 0.32's EngineCore dispatches a UTILITY request by method name (`getattr(self, name)`), so a
-method added to the class here, in the EngineCore process, is callable from the front end. They
-only read scheduler state.
+vLLM 0.32's EngineCore dispatches a UTILITY request by method name (`getattr(self, name)`), and a
+worker answers `collective_rpc` the same way, so a method added to the class here, in the engine
+process, is callable from the front end. They only read scheduler and worker state.
+
+What an engine carries (plugin.py decides, from the engine's settings):
+- always: `kv_stats`, which the server calls (`realtime/engine_session.py:kv_pool`);
+- with introspection (`settings.INTROSPECTION`, which tests and benchmarks set): also
+  `retention_state` (EngineCore), `worker_stats` (workers) and the memory diagnostics
+  (`diagnostics.py`). A `serve` engine refuses them: vLLM answers an unknown method with an error.
 """
 
 from __future__ import annotations
@@ -120,13 +126,6 @@ def _patch_worker_base(module: Any) -> None:
         setattr(module.WorkerBase, WORKER_STATS_METHOD, _worker_stats)
 
 
-def install_worker_utilities() -> None:
-    """Idempotently add a read-only stats method to vLLM's workers (reached by collective_rpc)."""
-    from retention.vllm_adapter.import_hooks import patch_on_import
-
-    patch_on_import("vllm.v1.worker.worker_base", _patch_worker_base)
-
-
 async def worker_stats(engine: Any) -> list[dict[str, Any]]:
     """From the front end: per worker, its RSS, encoder-cache tensors and mRoPE state."""
     result: list[dict[str, Any]] = await engine.collective_rpc(WORKER_STATS_METHOD)
@@ -134,12 +133,11 @@ async def worker_stats(engine: Any) -> list[dict[str, Any]]:
 
 
 def install_engine_core_utilities() -> None:
-    """Idempotently add our utility methods to EngineCore (only in processes that import it)."""
+    """Idempotently add the utility production calls (`kv_stats`) to EngineCore."""
     from vllm.v1.engine.core import EngineCore
 
     if not hasattr(EngineCore, KV_STATS_METHOD):
         setattr(EngineCore, KV_STATS_METHOD, _kv_stats)
-    install_retention_utilities()
 
 
 async def kv_stats(engine: Any) -> dict[str, Any]:
@@ -163,16 +161,23 @@ def _retention_state(core: Any, external_id: str) -> dict[str, Any] | None:
     return state
 
 
-def install_retention_utilities() -> None:
-    from vllm.v1.engine.core import EngineCore
-
-    if not hasattr(EngineCore, RETENTION_STATE_METHOD):
-        setattr(EngineCore, RETENTION_STATE_METHOD, _retention_state)
-
-
 async def retention_state(engine: Any, external_id: str) -> dict[str, Any] | None:
     """From the front end: the retention bookkeeping of one session (None if it has none)."""
     result: dict[str, Any] | None = await engine.engine_core.call_utility_async(
         RETENTION_STATE_METHOD, external_id
     )
     return result
+
+
+def install_introspection() -> None:
+    """Idempotently add the test and benchmark utilities: `retention_state` to EngineCore,
+    `worker_stats` to the workers (reached by collective_rpc), the memory diagnostics to both."""
+    from vllm.v1.engine.core import EngineCore
+
+    from retention.vllm_adapter.diagnostics import install_diagnostics
+    from retention.vllm_adapter.import_hooks import patch_on_import
+
+    if not hasattr(EngineCore, RETENTION_STATE_METHOD):
+        setattr(EngineCore, RETENTION_STATE_METHOD, _retention_state)
+    patch_on_import("vllm.v1.worker.worker_base", _patch_worker_base)
+    install_diagnostics()

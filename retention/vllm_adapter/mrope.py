@@ -83,6 +83,7 @@ from retention.vllm_adapter.fold_control import (
     fold_control_of,
     note_resume,
 )
+from retention.vllm_adapter.heap_trim import release_after_consolidation
 from retention.vllm_adapter.import_hooks import patch_on_import
 
 _RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
@@ -255,6 +256,7 @@ def _patch_runner(module: ModuleType) -> None:
             original(self, req_state)
             return
         accept_fold(req_state, fold)
+        release_after_consolidation(fold)
         if fold.reset:
             original(self, req_state)  # a fresh prefill: positions over the whole prompt
         else:

@@ -1,56 +1,124 @@
-"""vLLM general plugin: runs once in every vLLM process (front end, EngineCore, workers).
+"""vLLM general plugin: the engine hooks, installed only in engines vllm-realtime started.
 
-Must be idempotent. It checks the vLLM version first, so that a mismatched install fails loudly in
-every process before any hook patches internals it does not know; then installs the hooks. The
-worker hooks patch the V1 GPU model runner and are installed only where vLLM has it (the
-capability record, capabilities.py); elsewhere `BoundedSessionScheduler` refuses to start, with
-the reason (`check_serving_support`), so no session runs without them.
+vLLM calls `register()` (entry point group `vllm.general_plugins`) once in every process of every
+vLLM in the environment: in a front end when it builds its engine arguments, before any config
+exists, and in EngineCore and each worker at start-up, once the engine's `VllmConfig` exists.
+So the plugin first finds the config of the engine being started (`engine_config_being_started`)
+and returns at once unless it carries our settings (`settings.REALTIME_CONFIG_KEY` in
+`additional_config`, which only `realtime/engine.py` writes). A plain vLLM engine, a front end,
+and any other process are left exactly as vLLM made them.
+
+In our EngineCore and workers it checks the vLLM version first, so that a mismatched install
+fails loudly before any hook patches internals it does not know; then installs what production
+uses, and the test and benchmark utilities only when the engine's settings ask for introspection
+(`settings.INTROSPECTION`). The worker hooks patch the V1 GPU model runner and are installed only
+where vLLM has it (the capability record, capabilities.py); elsewhere the scheduler refuses to
+start, with the reason (`check_serving_support`), so no session runs without them.
+
+Our front end installs its own half (`install_front_end_hooks`) from `realtime/engine.py`, in the
+process that starts the engine, not through this entry point. An engine run inside its front
+end's process (`vllm.LLM` with VLLM_ENABLE_V1_MULTIPROCESSING=0) would get no hooks: vLLM loads
+the plugins there once, from the front end, before any config exists. `start_engine` starts
+`AsyncLLM`, whose EngineCore always runs in a process of its own.
 """
 
 from __future__ import annotations
 
-from retention.vllm_adapter import check_vllm_version
-from retention.vllm_adapter.capabilities import vllm_capabilities
+import sys
+from types import FrameType
+from typing import Any, Final
+
+from retention.vllm_adapter.settings import introspection_requested, realtime_settings
 
 _registered = False
 
+_CONFIG_SEARCH_DEPTH: Final = 8
+"""Frames above `register` searched for the config: vLLM 0.32-0.34 call the plugins from
+`load_general_plugins`, called straight from `EngineCore.__init__(vllm_config, ...)` and
+`WorkerWrapperBase.init_worker` (whose local `vllm_config` is set just before), i.e. 2 frames up."""
+
+
+def engine_config_being_started() -> Any | None:
+    """The `VllmConfig` of the engine this process is starting, or None (a front end, or any
+    other caller).
+
+    vLLM passes its plugins no argument, and its current-config context is not entered yet when
+    they run; but both places that load them in an engine process hold the config in a local
+    named `vllm_config` (vllm/v1/engine/core.py `EngineCore.__init__`, vllm/v1/worker/
+    worker_base.py `WorkerWrapperBase.init_worker`; the same in the 0.33 and 0.34 sources). Read
+    there, nothing is patched to learn it. tests/retention/test_plugin_scope.py fails if a vLLM
+    release moves it: our engines would then lack their hooks.
+    """
+    try:
+        from vllm.config import VllmConfig
+    except ImportError:
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(_CONFIG_SEARCH_DEPTH):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("vllm_config")
+        if isinstance(candidate, VllmConfig):
+            return candidate
+        frame = frame.f_back
+    return None
+
 
 def register() -> None:
+    """vLLM's entry point: a no-op unless the engine being started is one of ours."""
     global _registered
     if _registered:
         return
+    settings = realtime_settings(engine_config_being_started())
+    if settings is None:
+        return
+    install_engine_process_hooks(introspection=introspection_requested(settings))
+    _registered = True
+
+
+def install_engine_process_hooks(introspection: bool) -> None:
+    """Everything our EngineCore and worker processes need; with `introspection`, also the
+    utilities only tests and benchmarks call. Idempotent."""
+    from retention.vllm_adapter import check_vllm_version
+    from retention.vllm_adapter.capabilities import vllm_capabilities
+
     check_vllm_version()
-    worker_hooks = vllm_capabilities().v1_model_runner
     from retention.vllm_adapter.lifecycle import install_parent_death_watch
 
     # EngineCore and workers exit when the server dies, even by SIGKILL (lifecycle.py).
     install_parent_death_watch()
     from retention.vllm_adapter.introspect import install_engine_core_utilities
-    from retention.vllm_adapter.streaming import install_streaming_hardening
 
+    # kv_stats: the server reads the KV pool's geometry from it (realtime/engine_session.py).
     install_engine_core_utilities()
-    from retention.vllm_adapter.introspect import install_worker_utilities
-
-    install_worker_utilities()
     from retention.vllm_adapter.shm_prefault import install_shm_prefault
 
     # vLLM's shared-memory step rings resident from start-up, so their pages are not a slope.
     install_shm_prefault()
-    from retention.vllm_adapter.diagnostics import install_diagnostics
+    if introspection:
+        from retention.vllm_adapter.introspect import install_introspection
 
-    # Memory diagnostics only when a benchmark asks for them (VLLM_REALTIME_DIAGNOSTICS=1).
-    install_diagnostics()
-    if worker_hooks:
+        # retention_state, worker_stats, heap_stats (with trim_read): tests and bench only.
+        install_introspection()
+    if vllm_capabilities().v1_model_runner:
         _install_worker_hooks()
-    # Front-end half of the streaming-input hardening (the EngineCore half is
-    # RetentionScheduler, selected in realtime/engine.py). It patches front-end classes, which
-    # the EngineCore and worker processes import but never use.
+
+
+def install_front_end_hooks() -> None:
+    """The front-end half, in the process that starts one of our engines (`start_engine`).
+    These patch vLLM's front-end classes in this process only. Idempotent."""
+    from retention.vllm_adapter import check_vllm_version
+
+    check_vllm_version()
+    from retention.vllm_adapter.streaming import install_streaming_hardening
+
+    # Front-end half of the streaming-input hardening (the EngineCore half is the scheduler,
+    # selected in realtime/engine.py).
     install_streaming_hardening()
     from retention.vllm_adapter.lifecycle import install_idempotent_shutdown
 
     # No AsyncLLM.__del__ traceback at exit: a shut-down engine is not shut down again.
     install_idempotent_shutdown()
-    _registered = True
 
 
 def _install_worker_hooks() -> None:

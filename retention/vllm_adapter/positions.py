@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from retention.vllm_adapter.fold_control import accept_fold, fold_control_of, position_offset_of
+from retention.vllm_adapter.heap_trim import release_after_consolidation
 from retention.vllm_adapter.import_hooks import patch_on_import
 from retention.vllm_adapter.kv_rotation import rotator_of
 
@@ -73,6 +74,7 @@ def _patch_runner(module: ModuleType) -> None:
                 control = fold_control_of(req_state.sampling_params)
                 if control is not None:
                     accept_fold(req_state, control)
+                    release_after_consolidation(control)
                     if control.rotations:
                         # A consolidation by rotation: before this step computes the chunk.
                         rotator_of(self).rotate(req_state.block_ids[0], control.rotations)

@@ -2,7 +2,9 @@
 
 vLLM hands `VllmConfig.additional_config` (a dict) to EngineCore and to every worker. Our settings
 live there under one key, so a `serve` flag reaches the scheduler and the worker hooks without an
-environment variable, and an engine that someone else started carries none of them.
+environment variable, and an engine that someone else started carries none of them. The key's
+presence is also what marks an engine as ours: the plugin (`plugin.py`) installs nothing in an
+engine whose config lacks it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,11 @@ from __future__ import annotations
 from typing import Any, Final
 
 REALTIME_CONFIG_KEY: Final = "vllm_realtime"
+
+INTROSPECTION: Final = "introspection"
+"""True: the engine also carries the test and benchmark utilities (`retention_state`,
+`worker_stats`, the memory diagnostics `heap_stats` with `trim_read`). Absent or False, as
+`serve` starts it: only what production calls (`kv_stats`)."""
 
 
 def realtime_settings(vllm_config: Any) -> dict[str, Any] | None:
@@ -19,3 +26,7 @@ def realtime_settings(vllm_config: Any) -> dict[str, Any] | None:
         return None
     settings = extra.get(REALTIME_CONFIG_KEY)
     return settings if isinstance(settings, dict) else None
+
+
+def introspection_requested(settings: dict[str, Any]) -> bool:
+    return bool(settings.get(INTROSPECTION, False))

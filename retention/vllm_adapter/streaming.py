@@ -83,8 +83,9 @@ aside, as the capability record (capabilities.py) says:
   counterpart of `RetentionScheduler`'s late-chunk check), and so does `abort`'s wait for the
   input stream.
 
-Everything is installed by `install_streaming_hardening()` from the plugin's `register()`, in
-every vLLM process (only the front end ever calls it); it is idempotent.
+Everything is installed by `install_streaming_hardening()`, in the front-end process that starts
+one of our engines (`realtime/engine.py:start_engine`, through `plugin.install_front_end_hooks`);
+it is idempotent.
 """
 
 from __future__ import annotations

@@ -153,3 +153,27 @@ def test_serve_selects_the_v1_runner_that_vllm_would_not_pick_on_cuda(
     assert has_v1_model_runner()  # vLLM 0.32 has it
     assert retention_on(EngineSettings(model="m"))
     assert not retention_on(EngineSettings(model="m", extra={"scheduler_cls": "my.Scheduler"}))
+
+
+def test_our_settings_mark_the_engine_and_introspection_is_opt_in() -> None:
+    """The engine's config carries our key (what makes the plugin act in its processes);
+    introspection only when asked; an operator's own additional_config keys are kept, and an
+    operator's copy of our key cannot turn introspection on behind `serve`'s back."""
+    from retention.vllm_adapter.settings import INTROSPECTION, REALTIME_CONFIG_KEY
+
+    served = build_engine_args(EngineSettings(model="tiny-qwen2-vl"), SMALL_CPU)
+    assert served.additional_config == {REALTIME_CONFIG_KEY: {INTROSPECTION: False}}
+    tests = build_engine_args(EngineSettings(model="tiny-qwen2-vl", introspection=True), CUDA)
+    assert tests.additional_config == {REALTIME_CONFIG_KEY: {INTROSPECTION: True}}
+    theirs = {"kda_prefill_backend": "auto", REALTIME_CONFIG_KEY: {INTROSPECTION: True}}
+    args = build_engine_args(
+        EngineSettings(model="tiny-qwen2-vl", extra={"additional_config": theirs}), SMALL_CPU
+    )
+    assert args.additional_config == {
+        "kda_prefill_backend": "auto",
+        REALTIME_CONFIG_KEY: {INTROSPECTION: False},
+    }
+    with pytest.raises(EngineConfigError, match="additional-config"):
+        build_engine_args(
+            EngineSettings(model="tiny-qwen2-vl", extra={"additional_config": "x"}), SMALL_CPU
+        )

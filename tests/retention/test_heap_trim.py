@@ -87,3 +87,32 @@ def test_trim_now_is_not_rate_limited(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [0, 0]
     monkeypatch.setattr(heap_trim, "_STATE", {"trim": None})
     assert not heap_trim.trim_now()
+
+
+def test_checking_a_fold_record_releases_no_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The validator has no side effect; the trim is the worker hooks' own named step."""
+    from types import SimpleNamespace
+
+    from retention.vllm_adapter.fold_control import FoldControl, accept_fold
+
+    calls: list[int] = []
+    monkeypatch.setattr(heap_trim, "_STATE", {"trim": calls.append})
+    state = SimpleNamespace(req_id="r")
+    accept_fold(state, FoldControl(fold=0, reset=True))
+    accept_fold(state, FoldControl(fold=1, reset=True))  # a consolidation
+    assert calls == []
+
+
+def test_memory_is_released_after_a_consolidation_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from retention.vllm_adapter.fold_control import FoldControl
+
+    calls: list[int] = []
+    monkeypatch.setattr(heap_trim, "_STATE", {"trim": calls.append})
+    first = FoldControl(fold=0, reset=True)  # the first chunk's prefill: nothing freed yet
+    plain = FoldControl(fold=3, position_offset=64, held_before=128, evicted=((0, 64),))
+    consolidation = FoldControl(fold=4, reset=True)
+    assert not first.consolidates and not plain.consolidates and consolidation.consolidates
+    assert not heap_trim.release_after_consolidation(first)
+    assert not heap_trim.release_after_consolidation(plain)
+    assert heap_trim.release_after_consolidation(consolidation)
+    assert calls == [0]

@@ -44,7 +44,7 @@ TIMEOUT_S = 30.0
 
 @pytest.fixture(scope="module")
 async def front_end() -> AsyncIterator[tuple[Any, FakeEngineCore]]:
-    install_streaming_hardening()  # what the plugin does in the front-end process
+    install_streaming_hardening()  # what start_engine does in the front-end process
     engine, core = make_async_llm(make_scheduler(SchedulerOnly, block_size=16, num_blocks=128))
     yield engine, core
     engine.shutdown()

@@ -17,8 +17,8 @@ g. data parallelism: see `test_g_data_parallel_sticky_routing_is_refused_here`;
 h. a bounded session's front-end prompt state stays one chunk long (stock 0.32 appends every
    chunk's text and ids to it for the session's life).
 
-The fixes live in retention/vllm_adapter/streaming.py (front end, installed by the plugin) and
-retention/vllm_adapter/scheduler.py (`RetentionScheduler`, in EngineCore).
+The fixes live in retention/vllm_adapter/streaming.py (front end, installed by `start_engine`)
+and retention/vllm_adapter/scheduler.py (`RetentionScheduler`, in EngineCore).
 
 Runtime: every engine step of SmolLM2-135M is ~50-200 ms on 2 cores, so chunks are short and
 max_tokens is 2; the shared session engines come from tests/conftest.py. Only the stock-0.32
