@@ -8,6 +8,7 @@ and the decision itself is tested in test_compute.py; here, that the server appl
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
@@ -150,5 +151,18 @@ async def test_the_server_measures_chunk_costs_as_it_runs(vlm_engine: object) ->
             for seed in range(3):
                 done = await answered(ws, image_event(seed))
                 measurable += done["usage"]["completion_tokens"] >= 2
-            # Every chunk that had the engine to itself and two tokens or more is measured.
+            # Every chunk with two tokens or more is measured.
             assert costs.samples("frame") == CALIBRATION_CHUNKS + measurable
+            # Under load too: two sessions' frames in flight together are both measured
+            # (each charged its share of the engine until its first token).
+            async with websockets.connect(srv.url, subprotocols=SUBPROTOCOLS) as other:
+                await open_session(
+                    other, retention={"window_chunks": 2}, sampling={"max_tokens": 8}
+                )
+                before = costs.samples("frame")
+                both = await asyncio.gather(
+                    answered(ws, image_event(7)), answered(other, image_event(8))
+                )
+                measurable = sum(d["usage"]["completion_tokens"] >= 2 for d in both)
+                assert costs.samples("frame") == min(before + measurable, costs.window)
+                assert srv.hub.prefill_clock.waiting == 0
