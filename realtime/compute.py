@@ -15,8 +15,9 @@ names the compute term, and the sessions already admitted keep their latency.
 The cost of a chunk is measured as the server runs, per chunk kind ("frame": an image or clip;
 "text": a text turn), from every answered chunk's own timings (`ChunkTiming`):
 
-* prefill = the chunk's share of the engine until its first token − one inter-token step (what
-  the chunk adds to the step that prefills it: processor, encoder, prompt tokens);
+* prefill = the chunk's share of the engine until its first token, less the same share of one
+  inter-token step (what the chunk adds to the step that prefills it: processor, encoder,
+  prompt tokens);
 * per reply token = the prefill's cost per prompt token, at most one inter-token step.
 
 Decode steps are shared by every session decoding at once, so a whole step is not the marginal
@@ -27,8 +28,10 @@ Under load a chunk's time to first token is mostly other chunks' work: it waits 
 steps and is prefilled in a step beside theirs. Its share (`PrefillClock`) divides the time
 between its submission and its first token among the chunks waiting for a first token at each
 moment (processor sharing): two frames prefilled in one step are charged half of it each, and
-the decode step a chunk waited behind is removed with the one inter-token step (its own
-inter-token step measures the steps of the load it ran in). Alone, the share is its time to
+the decode step they waited behind is removed in the same proportion (a chunk's own
+inter-token step measures the steps of the load it ran in). A chunk whose first token came no
+later than one of its steps is no sample (on a loaded machine such noise made the median
+prefill zero, and admission let everyone in). Alone, the share is its time to
 first token, the measure of a chunk that ran alone. So every chunk is a sample, and the cost
 follows both the machine (other tenants) and the server's own load; the shares of chunks that
 overlap sum to the time they overlapped, never more. Each kind keeps the median of its last
@@ -80,14 +83,23 @@ class ChunkCost:
 
 def measure(timing: ChunkTiming) -> ChunkCost | None:
     """The cost one chunk shows, or None when its timings cannot separate prefill from reply
-    (a reply of one token has no inter-token step)."""
+    (a reply of one token has no inter-token step; a first token no later than one step)."""
     if timing.completion_tokens < 2 or timing.prompt_tokens < 1:
         return None
     step = (timing.total_ms - timing.ttft_ms) / (timing.completion_tokens - 1)
     if step <= 0:
         return None
-    share = timing.ttft_ms if timing.prefill_share_ms is None else timing.prefill_share_ms
-    prefill = max(min(share, timing.ttft_ms) - step, 0.0)
+    if timing.ttft_ms <= step:
+        # Its first token came no later than its own steps: the machine's noise (or a step it
+        # did not wait behind), not a prefill that can be told apart.
+        return None
+    share = timing.ttft_ms
+    if timing.prefill_share_ms is not None:
+        share = min(timing.prefill_share_ms, share)
+    # The step it waited behind is shared as the rest of its wait was: alone, ttft - step; one
+    # of k chunks prefilled together, (ttft - step) / k. Subtracting a whole step from a
+    # k-th share would charge k chunks k steps, and their cost would fall to zero under load.
+    prefill = share * (1.0 - step / timing.ttft_ms)
     per_token = min(prefill / timing.prompt_tokens, step)
     return ChunkCost(prefill_ms=prefill, per_token_ms=per_token)
 
