@@ -143,6 +143,33 @@ def select_model_runner(env: MutableMapping[str, str], v1_present: bool = True) 
     )
 
 
+FRONT_END_TORCH_THREADS = 1
+"""Torch intra-op threads in the server's own process on CPU, where vLLM's front end runs each
+frame through the model's HF processor (torchvision ops) and casts its pixels to the model's
+dtype. torch's default (one thread per core) makes each of those small ops an OpenMP region
+whose threads wait for cores the engine's worker holds: measured in one process on the 2-core
+machine under load (`python -m bench.frontend_cost`), vLLM's processor took a median 28 ms a
+224x224 frame (p90 133 ms, 8.8 ms of CPU) with 2 threads, 2.4 ms (2.3 ms CPU) with 1. vLLM
+sets its own workers to one thread for the same reason (`set_torch_threads_for_runtime`); its
+front end it leaves at the default."""
+
+
+def limit_front_end_threads() -> None:
+    """One torch thread for this process (the front end), on CPU: see FRONT_END_TORCH_THREADS.
+    Spawned engine processes start fresh and take OMP_NUM_THREADS instead."""
+    if _has_cuda():
+        return
+    import torch
+
+    if torch.get_num_threads() != FRONT_END_TORCH_THREADS:
+        log.info(
+            "front end: torch threads %d -> %d (frames' processing beside the engine's worker)",
+            torch.get_num_threads(),
+            FRONT_END_TORCH_THREADS,
+        )
+        torch.set_num_threads(FRONT_END_TORCH_THREADS)
+
+
 def prepare_process_env() -> None:
     """Environment vLLM needs on this kind of machine; set before vLLM is imported."""
     if not _has_cuda():
@@ -325,6 +352,7 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
 def start_engine(settings: EngineSettings, platform: EnginePlatform | None = None) -> AsyncLLM:
     """Start AsyncLLM (EngineCore runs in its own process); `platform` as in build_engine_args."""
     prepare_process_env()
+    limit_front_end_threads()
     if retention_on(settings):
         # Before anything reads it: vLLM reads the switch lazily, here and in the engine's
         # processes (spawned, so they inherit this environment).
