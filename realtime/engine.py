@@ -148,7 +148,7 @@ FRONT_END_TORCH_THREADS = 1
 frame through the model's HF processor (torchvision ops) and casts its pixels to the model's
 dtype. torch's default (one thread per core) makes each of those small ops an OpenMP region
 whose threads wait for cores the engine's worker holds: measured in one process on the 2-core
-machine under load (`python -m bench.frontend_cost`), vLLM's processor took a median 28 ms a
+machine under load (a one-off of commit 0660ada, docs/benchmarks.md), vLLM's processor took a median 28 ms a
 224x224 frame (p90 133 ms, 8.8 ms of CPU) with 2 threads, 2.4 ms (2.3 ms CPU) with 1. vLLM
 sets its own workers to one thread for the same reason (`set_torch_threads_for_runtime`); its
 front end it leaves at the default."""

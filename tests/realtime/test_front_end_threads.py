@@ -1,6 +1,6 @@
 """The server's front end runs with one torch thread on CPU (realtime.engine.
 limit_front_end_threads): what vLLM's multimodal processor gives a frame is the same as with
-torch's default threads, so the change is cost only (bench.frontend_cost measures the cost).
+torch's default threads, so the change is cost only (docs/benchmarks.md gives the cost).
 
 The oracle is vLLM's own processor on the tiny Qwen2-VL (the default model's processor
 configuration), no engine: pixel values equal, the same prompt with the same image tokens.
