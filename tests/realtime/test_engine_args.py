@@ -153,3 +153,36 @@ def test_serve_selects_the_v1_runner_that_vllm_would_not_pick_on_cuda(
     assert has_v1_model_runner()  # vLLM 0.32 has it
     assert retention_on(EngineSettings(model="m"))
     assert not retention_on(EngineSettings(model="m", extra={"scheduler_cls": "my.Scheduler"}))
+
+
+def test_serve_runs_the_one_scheduler_with_its_settings_in_the_engine_config() -> None:
+    from realtime.engine import SCHEDULER_CLS
+    from retention.vllm_adapter.session_scheduler import RealtimeSessionScheduler
+    from retention.vllm_adapter.settings import REALTIME_CONFIG_KEY, realtime_settings
+
+    module, _, name = SCHEDULER_CLS.rpartition(".")
+    assert (module, name) == (RealtimeSessionScheduler.__module__, "RealtimeSessionScheduler")
+    args = build_engine_args(EngineSettings(model="tiny-qwen2-vl"), SMALL_CPU)
+    assert args.scheduler_cls == SCHEDULER_CLS
+    # Defaults: the piece of 128 always; no consolidation key (the scheduler's own default).
+    assert args.additional_config == {REALTIME_CONFIG_KEY: {"reprefill_piece": 128}}
+    settings = EngineSettings(
+        model="tiny-qwen2-vl",
+        consolidation="reprefill",
+        reprefill_piece=0,
+        # An operator's own --additional-config is kept beside ours.
+        extra={"additional_config": {"theirs": 1}},
+    )
+    args = build_engine_args(settings, SMALL_CPU)
+    assert args.additional_config == {
+        "theirs": 1,
+        REALTIME_CONFIG_KEY: {"reprefill_piece": 0, "consolidation": "reprefill"},
+    }
+    assert realtime_settings(SimpleNamespace(additional_config=args.additional_config)) == {
+        "reprefill_piece": 0,
+        "consolidation": "reprefill",
+    }
+    with pytest.raises(EngineConfigError, match="additional-config"):
+        build_engine_args(
+            EngineSettings(model="tiny-qwen2-vl", extra={"additional_config": "x"}), SMALL_CPU
+        )
