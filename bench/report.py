@@ -269,7 +269,9 @@ def _md_old_path(results: dict[str, Any]) -> list[str]:
         "### Production scheduler vs the old path",
         "",
         "(a) in the same invocation, the old path first (load averages of its run: "
-        f"{cmp['old_path_load'][0][0]:.2f} before, {cmp['old_path_load'][1][0]:.2f} after).",
+        f"{cmp['old_path_load'][0][0]:.2f} before, {cmp['old_path_load'][1][0]:.2f} after). "
+        "Frame by frame (reply tokens, context, KV blocks, evictions, consolidations) the two "
+        f"runs were {'identical' if cmp.get('same_trace') else 'DIFFERENT'}.",
         "",
         "| path | scheduler | latency p50 / p95 ms | TTFT p50 ms | fold ms / 1000 frames "
         "| after_fold mean / max µs | KV blocks max |",

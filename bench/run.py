@@ -513,12 +513,20 @@ async def old_path_run(args: argparse.Namespace, results: dict[str, Any]) -> dic
         engine.shutdown()
     return {
         "scheduler_cls": OLD_PATH_SCHEDULER_CLS,
+        "trace": session_trace(run["records"]),
         "engine": info,
         "load_before": list(load_before),
         "load_after": list(os.getloadavg()),
         "summary": summarize_series(run["records"]),
         "retention_overhead": retention_overhead(run, timing),
     }
+
+
+def session_trace(records: list[dict[str, Any]]) -> list[list[int]]:
+    """What a run did, frame by frame, apart from its timing: greedy replies with EOS ignored
+    make it the same on both paths unless the scheduler behaves differently."""
+    keys = ("completion_tokens", "context_tokens", "kv_blocks", "evictions", "consolidations")
+    return [[int(r[k] or 0) for k in keys] for r in records]
 
 
 def old_path_comparison(results: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
@@ -540,7 +548,10 @@ def old_path_comparison(results: dict[str, Any], old: dict[str, Any]) -> dict[st
             **{k: ov.get(k) for k in overhead},
         }
         for name, (cls, summary, ov) in paths.items()
-    } | {"old_path_load": [old["load_before"], old["load_after"]]}
+    } | {
+        "old_path_load": [old["load_before"], old["load_after"]],
+        "same_trace": session_trace(results["runs"]["bounded"]["records"]) == old["trace"],
+    }
 
 
 async def compare_modes(
