@@ -1,11 +1,12 @@
-"""EngineCore-side timers for the benchmark (loaded in the EngineCore process).
+"""EngineCore-side timers for the benchmarks (loaded in the EngineCore process).
 
-The benchmark starts its engine with `scheduler_cls` set to `TimedBoundedScheduler` below: the
-server's `BoundedSessionScheduler` with wall-clock timers around the two places where a chunk is
-folded into its session (EngineCore's scheduler thread, so the timers measure exactly the time
-the scheduler spends there, between engine steps):
+`bench.run` and `bench.watch` start their engines with `scheduler_cls` set to `TimedScheduler`
+below (`SCHEDULER_CLS`): the server's own `RealtimeSessionScheduler` with wall-clock timers
+around the two places where a chunk is folded into its session (EngineCore's scheduler thread, so
+the timers measure exactly the time the scheduler spends there, between engine steps):
 
-* `_update_request_as_session`: vLLM's fold + the streaming guards + retention, every session;
+* `_update_request_as_session`: vLLM's fold + the streaming guards + retention + the chunk's
+  grammar, every session;
 * `SessionRetention.after_fold`: retention alone (segment bookkeeping, eviction plan, KV range
   free, request compaction, the consolidation decision). Folds that evicted or consolidated are
   counted apart (the retention history's counters moved during the call).
@@ -14,8 +15,14 @@ A consolidation's real cost is the re-prefill of the survivors, which runs on th
 next step. So engine steps are timed too (from `schedule()` to the end of `update_from_output()`:
 scheduling, the model run, output handling): for each session, the steps that ran a prefill of
 more than one token, with the session's scheduled token count, the step that ran the re-prefill
-after a consolidation kept apart. Nothing here changes what the scheduler does. Read the timers from the front end with
-`await bench_timing(engine)`; they are keyed by the session's external request id.
+after a consolidation kept apart; and for every request, the wall time of all the steps that
+scheduled it (`busy_ns`, bench.watch). Nothing here changes what the scheduler does. Read the
+timers from the front end with `await bench_timing(engine)`; they are keyed by the session's
+external request id.
+
+`OldPathTimedScheduler` (`OLD_PATH_SCHEDULER_CLS`) is the same with the chunk-grammar part left
+out: the composition the benchmark timed before #38 (`BoundedSessionScheduler`, which had no
+grammar part), for `bench.run --compare-old-path`.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from retention.vllm_adapter.bounded_scheduler import BoundedSessionScheduler
+from retention.vllm_adapter.session_scheduler import RealtimeSessionScheduler
 
 TIMING_METHOD = "vllm_realtime_bench_timing"
+BUSY_METHOD = "vllm_realtime_bench_busy"
 
 _FIELDS = (
     "fold_calls",
@@ -55,10 +63,14 @@ def _history_counters(retention: Any, request_id: str) -> tuple[int, int]:
     )
 
 
-class TimedBoundedScheduler(BoundedSessionScheduler):
+class TimedScheduler(RealtimeSessionScheduler):
+    """The production scheduler with the timers described in the module docstring."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.bench_timing: dict[str, dict[str, Any]] = defaultdict(_new_record)
+        # External request id -> [ns of every step that scheduled it, steps].
+        self.bench_busy: dict[str, list[int]] = {}
         self._bench_step: tuple[int, dict[str, int]] | None = None
         self._bench_consolidated: set[str] = set()
         retention = getattr(self, "retention", None)
@@ -112,6 +124,9 @@ class TimedBoundedScheduler(BoundedSessionScheduler):
             took = time.perf_counter_ns() - step[0]
             total = sum(step[1].values())
             for request_id, tokens in step[1].items():
+                busy = self.bench_busy.setdefault(_external(request_id), [0, 0])
+                busy[0] += took
+                busy[1] += 1
                 if tokens <= 1:
                     continue  # a decode step (a fold may happen at its end: not yet ours)
                 if request_id in self._bench_consolidated:
@@ -141,16 +156,29 @@ def _bench_timing(core: Any, reset: bool = False) -> dict[str, dict[str, Any]] |
     return out
 
 
+class OldPathTimedScheduler(TimedScheduler):
+    """`TimedScheduler` without the chunk-grammar part: the benchmark's pre-#38 composition."""
+
+    chunk_grammars = False
+
+
+def _busy(core: Any) -> dict[str, list[int]]:
+    return dict(getattr(core.scheduler, "bench_busy", {}))
+
+
 def _install() -> None:
     from vllm.v1.engine.core import EngineCore
 
     if not hasattr(EngineCore, TIMING_METHOD):
         setattr(EngineCore, TIMING_METHOD, _bench_timing)
+    if not hasattr(EngineCore, BUSY_METHOD):
+        setattr(EngineCore, BUSY_METHOD, _busy)
 
 
 _install()  # runs in the EngineCore process when vLLM resolves `scheduler_cls`
 
-SCHEDULER_CLS = f"{__name__}.TimedBoundedScheduler"
+SCHEDULER_CLS = f"{__name__}.TimedScheduler"
+OLD_PATH_SCHEDULER_CLS = f"{__name__}.OldPathTimedScheduler"
 
 
 async def bench_timing(engine: Any, reset: bool = False) -> dict[str, dict[str, Any]] | None:
@@ -159,3 +187,9 @@ async def bench_timing(engine: Any, reset: bool = False) -> dict[str, dict[str, 
         TIMING_METHOD, reset
     )
     return result
+
+
+async def busy_ns(engine: Any, request_id: str) -> int:
+    """From the front end: the wall time of every engine step that scheduled `request_id`."""
+    data: dict[str, list[int]] = await engine.engine_core.call_utility_async(BUSY_METHOD)
+    return int(data.get(request_id, [0, 0])[0])

@@ -104,7 +104,7 @@ def run_config(model: Any, ids: list[int], cfg: Config, chunk: int, max_position
     ids = ids[: cfg.max_tokens]
     for s in range(0, len(ids), chunk):
         piece = ids[s : s + chunk]
-        # -- the fold (engine: RetentionScheduler.after_fold)
+        # -- the fold (engine: SessionRetention.after_fold)
         if pending:
             history = append_segment(history, "text", pending)
         if budget is not None:

@@ -101,6 +101,7 @@ def markdown(results: dict[str, Any], plots_rel: str = ".") -> str:
         _md_sessions(results),
         _md_concurrency(results),
         _md_overhead(results),
+        _md_old_path(results),
         _md_notes_and_plots(results, plots_rel),
     )
     return "\n".join(line for part in parts for line in part) + "\n"
@@ -255,6 +256,37 @@ def _md_overhead(results: dict[str, Any]) -> list[str]:
                 f"~{_ms(ov['reprefill_extra_ms_mean'] * len(steps) / ov['frames'] * 1000)} ms per "
                 f"1000 frames."
             )
+    return lines
+
+
+def _md_old_path(results: dict[str, Any]) -> list[str]:
+    """(a) on the production scheduler and on the pre-#38 composition (`--compare-old-path`)."""
+    cmp = results.get("old_path_comparison")
+    if not cmp:
+        return []
+    lines = [
+        "",
+        "### Production scheduler vs the old path",
+        "",
+        "(a) in the same invocation, the old path first (load averages of its run: "
+        f"{cmp['old_path_load'][0][0]:.2f} before, {cmp['old_path_load'][1][0]:.2f} after). "
+        "Frame by frame (reply tokens, context, KV blocks, evictions, consolidations) the two "
+        f"runs were {'identical' if cmp.get('same_trace') else 'DIFFERENT'}.",
+        "",
+        "| path | scheduler | latency p50 / p95 ms | TTFT p50 ms | fold ms / 1000 frames "
+        "| after_fold mean / max µs | KV blocks max |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in ("production", "old_path"):
+        row = cmp[name]
+        fold = row.get("fold_ms_per_1000_frames")
+        lines.append(
+            f"| {name} | `{row['scheduler_cls'].rsplit('.', 1)[-1]}` | "
+            f"{_ms(row['latency_p50_ms'])} / {_ms(row['latency_p95_ms'])} | "
+            f"{_ms(row['ttft_p50_ms'])} | {_ms(fold)} | "
+            f"{_ms(row.get('after_fold_mean_us'))} / {_ms(row.get('after_fold_max_us'))} | "
+            f"{row['kv_blocks_max']} |"
+        )
     return lines
 
 

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "the model's trained range, as the server")  # fmt: skip
     p.add_argument("--only-bounded", action="store_true",
                    help="run (a) only (e.g. with --retention-max-position, to time consolidations)")  # fmt: skip
+    p.add_argument("--compare-old-path", action="store_true",
+                   help="also run (a) on an engine with the pre-#38 scheduler composition (no "
+                   "chunk-grammar part), first, and report both in `old_path_comparison`")  # fmt: skip
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--render", type=Path, default=None,
                    help="only re-render --out and --update-doc from this results.json")  # fmt: skip
@@ -78,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- engines
 
 
-def text_engine_settings(args: argparse.Namespace) -> Any:
+def text_engine_settings(args: argparse.Namespace, scheduler_cls: str | None = None) -> Any:
+    """The text engine; `scheduler_cls` None: the production scheduler, timed."""
     from bench.engine_timing import SCHEDULER_CLS
     from realtime.engine import EngineSettings
 
@@ -88,7 +92,7 @@ def text_engine_settings(args: argparse.Namespace) -> Any:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         block_size=args.block_size,
         max_num_seqs=32,
-        extra={"scheduler_cls": SCHEDULER_CLS},
+        extra={"scheduler_cls": scheduler_cls or SCHEDULER_CLS},
     )
 
 
@@ -467,6 +471,89 @@ def new_results(args: argparse.Namespace, command: str) -> dict[str, Any]:
     }
 
 
+async def bounded_run(
+    engine: Any, args: argparse.Namespace, results: dict[str, Any], *, frames: Any,
+    modality: str, multimodal: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """(a): one bounded session of `--frames` frames, with the server's default retention."""
+    from bench.driver import DEFAULT_RETENTION
+
+    retention = dict(DEFAULT_RETENTION)
+    if args.retention_max_position is not None:
+        retention["max_position"] = args.retention_max_position
+    results["params"]["retention"] = retention
+    return await run_session(
+        engine,
+        name="bounded",
+        frames=frames,
+        n=args.frames,
+        multimodal=multimodal,
+        modality=modality,
+        retention=retention,
+        max_tokens=args.max_tokens,
+        rss_every=args.rss_every,
+    )
+
+
+async def old_path_run(args: argparse.Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    """(a) on an engine whose scheduler is the pre-#38 composition (`--compare-old-path`)."""
+    from bench.engine_timing import OLD_PATH_SCHEDULER_CLS, bench_timing
+    from bench.report import summarize_series
+
+    print(f"old path: starting {args.text_model} with {OLD_PATH_SCHEDULER_CLS} ...", flush=True)
+    engine, info = await start(text_engine_settings(args, OLD_PATH_SCHEDULER_CLS))
+    load_before = os.getloadavg()
+    try:
+        print(f"old path: (a) bounded, {args.frames} frames", flush=True)
+        run = await bounded_run(
+            engine, args, results, frames=text_frame, modality="text", multimodal=False
+        )
+        timing = await bench_timing(engine)
+    finally:
+        engine.shutdown()
+    return {
+        "scheduler_cls": OLD_PATH_SCHEDULER_CLS,
+        "trace": session_trace(run["records"]),
+        "engine": info,
+        "load_before": list(load_before),
+        "load_after": list(os.getloadavg()),
+        "summary": summarize_series(run["records"]),
+        "retention_overhead": retention_overhead(run, timing),
+    }
+
+
+def session_trace(records: list[dict[str, Any]]) -> list[list[int]]:
+    """What a run did, frame by frame, apart from its timing: greedy replies with EOS ignored
+    make it the same on both paths unless the scheduler behaves differently."""
+    keys = ("completion_tokens", "context_tokens", "kv_blocks", "evictions", "consolidations")
+    return [[int(r[k] or 0) for k in keys] for r in records]
+
+
+def old_path_comparison(results: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """(a)'s headline figures on both paths, side by side (production first)."""
+    from bench.engine_timing import SCHEDULER_CLS
+    from bench.report import summarize_series
+
+    new_summary = summarize_series(results["runs"]["bounded"]["records"])
+    paths = {
+        "production": (SCHEDULER_CLS, new_summary, results["retention_overhead"]),
+        "old_path": (old["scheduler_cls"], old["summary"], old["retention_overhead"]),
+    }
+    keys = ("latency_p50_ms", "latency_p95_ms", "ttft_p50_ms", "kv_blocks_max")
+    overhead = ("fold_ms_per_1000_frames", "after_fold_mean_us", "after_fold_max_us")
+    return {
+        name: {
+            "scheduler_cls": cls,
+            **{k: summary.get(k) for k in keys},
+            **{k: ov.get(k) for k in overhead},
+        }
+        for name, (cls, summary, ov) in paths.items()
+    } | {
+        "old_path_load": [old["load_before"], old["load_after"]],
+        "same_trace": session_trace(results["runs"]["bounded"]["records"]) == old["trace"],
+    }
+
+
 async def compare_modes(
     engine: Any,
     args: argparse.Namespace,
@@ -477,25 +564,12 @@ async def compare_modes(
     multimodal: bool,
 ) -> None:
     """(a), (b), (c) and the concurrency levels on one engine, with the same frames."""
-    from bench.driver import DEFAULT_RETENTION
     from bench.engine_timing import bench_timing
 
     runs = results["runs"]
-    retention = dict(DEFAULT_RETENTION)
-    if args.retention_max_position is not None:
-        retention["max_position"] = args.retention_max_position
-    results["params"]["retention"] = retention
     print(f"(a) bounded, {args.frames} frames", flush=True)
-    runs["bounded"] = await run_session(
-        engine,
-        name="bounded",
-        frames=frames,
-        n=args.frames,
-        multimodal=multimodal,
-        modality=modality,
-        retention=retention,
-        max_tokens=args.max_tokens,
-        rss_every=args.rss_every,
+    runs["bounded"] = await bounded_run(
+        engine, args, results, frames=frames, modality=modality, multimodal=multimodal
     )
     ended = runs["bounded"]["ended"]
     if ended and ended["frame"] == 1:
@@ -580,6 +654,8 @@ def finish_results(results: dict[str, Any], t_start: float) -> None:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     results = new_results(args, ".venv/bin/python -m bench.run")
+    # The old path first, then the production path: one invocation, the same frames.
+    old = await old_path_run(args, results) if args.compare_old_path else None
     print(f"starting {args.text_model} ...", flush=True)
     engine, info = await start(text_engine_settings(args))
     results["text_engine"] = info
@@ -589,6 +665,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         )
     finally:
         engine.shutdown()
+    if old is not None:
+        results["old_path_comparison"] = old_path_comparison(results, old)
 
     if args.video_frames > 0:
         try:

@@ -15,7 +15,7 @@ once when the previous one ended late; or `--gap-ms` of idle time after each rep
 * `idle`: a re-prefill while the session is idle (a control chunk after the boundary whose
   report asks for it, when the client's gaps leave the time), in pieces of repeating sizes;
 * `inline` (the behaviour before issue #21): every consolidation re-prefilled on the path of
-  the frame that needs it, in one step (`VLLM_REALTIME_REPREFILL_PIECE=0`).
+  the frame that needs it, in one step (the engine's re-prefill piece 0, `--reprefill-piece 0`).
 
 `--max-position` is set low enough for many consolidations. Reported per run: p50/p90/p99 of
 the per-frame latency (the chunk sent → its boundary, what `response.done` measures), p99/p50,
@@ -225,15 +225,17 @@ async def run_session(
     args: argparse.Namespace, model: str, mode: str, executor: str | None = None
 ) -> dict[str, Any]:
     from realtime.engine import start_engine
-    from retention.vllm_adapter.eviction import REPREFILL_PIECE_ENV
 
     video = model in (VIDEO_MODEL, SMOL_VIDEO_MODEL)
     frames = args.video_frames if video else args.text_frames
     # Read by the engine processes at start-up (they inherit this environment).
-    os.environ[REPREFILL_PIECE_ENV] = str(0 if mode == "inline" else args.piece)
     budget = _budget(args, video, mode)
     before = _machine(args)
-    engine = start_engine(_settings(args, model, executor))
+    settings = _settings(args, model, executor)
+    # The engine's re-prefill piece (its settings, `serve --reprefill-piece`); inline: one step.
+    engine = start_engine(
+        settings.with_overrides(reprefill_piece=0 if mode == "inline" else args.piece)
+    )
     if args.pin_front:
         # The CPU-list syntax of VLLM_CPU_OMP_THREADS_BIND, parsed by vLLM's own parser.
         from vllm.utils.cpu_resource_utils import parse_id_list

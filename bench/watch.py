@@ -9,7 +9,7 @@ the first chunk pinned, a window of 8), without the WebSocket. Phase 1, one sess
 alternate ingested / answered (max_tokens 16, EOS ignored so every answer is exactly 16 tokens,
 greedy); per chunk the wall latency (chunk queued to its boundary) and the engine time: the wall
 time of every engine step that scheduled the session (from `schedule()` to the end of
-`update_from_output()`, measured in EngineCore by `StepTimedScheduler` below; alone on the
+`update_from_output()`, measured in EngineCore by `bench.engine_timing.TimedScheduler`; alone on the
 engine, so a step is the session's). Phase 2: the sustained ingest rate, 1 and 8 sessions
 ingesting frames back to back (frames/s over all sessions). Frames are 112×112 JPEGs (16 LLM
 tokens, ~36 with the template) on the tiny VLM, and ~20-token text lines on SmolLM2.
@@ -27,54 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from retention.vllm_adapter.chunk_grammar import ChunkGrammarScheduler
-
-BUSY_METHOD = "vllm_realtime_bench_busy"
-
-
-class StepTimedScheduler(ChunkGrammarScheduler):
-    """The server's scheduler with the wall time of every step added to each request it ran."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.bench_busy: dict[str, list[int]] = {}
-        self._bench_started: tuple[int, list[str]] | None = None
-
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter_ns()
-        output = super().schedule(*args, **kwargs)
-        self._bench_started = (start, list(output.num_scheduled_tokens))
-        return output
-
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        out = super().update_from_output(scheduler_output, model_runner_output)
-        started, self._bench_started = self._bench_started, None
-        if started is not None:
-            took = time.perf_counter_ns() - started[0]
-            for request_id in started[1]:
-                rec = self.bench_busy.setdefault(request_id.rsplit("-", 1)[0], [0, 0])
-                rec[0] += took
-                rec[1] += 1
-        return out
-
-
-def _busy(core: Any) -> dict[str, list[int]]:
-    return dict(getattr(core.scheduler, "bench_busy", {}))
-
-
-def _install() -> None:
-    from vllm.v1.engine.core import EngineCore
-
-    if not hasattr(EngineCore, BUSY_METHOD):
-        setattr(EngineCore, BUSY_METHOD, _busy)
-
-
-_install()  # in EngineCore, when vLLM resolves scheduler_cls
-
-
-async def busy_ns(engine: Any, request_id: str) -> int:
-    data: dict[str, list[int]] = await engine.engine_core.call_utility_async(BUSY_METHOD)
-    return int(data.get(request_id, [0, 0])[0])
+from bench.engine_timing import SCHEDULER_CLS, busy_ns
 
 
 def jpeg(seed: int, size: int = 112) -> bytes:
@@ -156,7 +109,7 @@ def _summary(values: list[float]) -> dict[str, float]:
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     from realtime.engine import EngineSettings, start_engine
 
-    extra: dict[str, Any] = {"scheduler_cls": f"{__name__}.StepTimedScheduler"}
+    extra: dict[str, Any] = {"scheduler_cls": SCHEDULER_CLS}
     multimodal = args.model != "smollm2-135m-instruct"
     if multimodal:
         extra["limit_mm_per_prompt"] = {"image": 1, "video": 1}

@@ -17,6 +17,13 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def _reprefill_piece(raw: str) -> int:
+    value = int(raw)
+    if value < 0 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"must be 0 or a power of two, got {value}")
+    return value
+
+
 def _positive_int(raw: str) -> int:
     value = int(raw)
     if value < 1:
@@ -90,6 +97,8 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs,
+        consolidation=args.consolidation,
+        reprefill_piece=args.reprefill_piece,
         extra=parse_engine_passthrough(passthrough),
     )
     keys = list(args.api_key or [])
@@ -185,6 +194,14 @@ def _add_retention_flags(serve: argparse.ArgumentParser) -> None:
         help="how bounded sessions reset positions: rotate the window's cached keys in place "
         "(no model step; 1D-RoPE models on CPU) or reprefill it (default: rotate where the "
         "engine can, else reprefill)",
+    )
+    serve.add_argument(
+        "--reprefill-piece",
+        type=_reprefill_piece,
+        default=128,
+        help="tokens per engine step of a consolidation's re-prefill, 0 or a power of two "
+        "(0: the whole window in one step, which makes a new step size for the CPU worker to "
+        "keep state for at nearly every consolidation)",
     )
     serve.add_argument(
         "--max-chunk-tokens",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from realtime.models import resolve_model
+from retention.policy import ConsolidationMode
 from retention.vllm_adapter.shm_prefault import PREFAULT_BYTES_PER_CHUNK
 
 if TYPE_CHECKING:
@@ -45,6 +46,11 @@ much is not free."""
 
 CPU_KV_MIN_BYTES = 32 << 20
 """Below this the default pool holds too few blocks to be worth starting an engine for."""
+
+SCHEDULER_CLS = "retention.vllm_adapter.session_scheduler.RealtimeSessionScheduler"
+"""vLLM's `scheduler_cls` for serve: the one production scheduler (streaming-session guards,
+bounded sessions, per-chunk grammars). A string: vLLM resolves it in EngineCore, and the front
+end need not import the scheduler."""
 
 V2_RUNNER_SWITCH = "VLLM_USE_V2_MODEL_RUNNER"
 """vLLM 0.32's choice of model runner (vllm/config/vllm.py `use_v2_model_runner`): unset, it
@@ -223,6 +229,11 @@ class EngineSettings:
     # Also install the utilities only tests and benchmarks call (retention_state, worker_stats,
     # heap_stats): retention/vllm_adapter/settings.py. `serve` never sets it.
     introspection: bool = False
+    # The engine's consolidation mode for budgets that name none (None: the scheduler's
+    # default, rotate where the worker can) and the re-prefill step size (0: one step); both
+    # reach EngineCore in our settings (retention/vllm_adapter/settings.py).
+    consolidation: ConsolidationMode | None = None
+    reprefill_piece: int = 128
     extra: dict[str, Any] = field(default_factory=dict)
 
     def with_overrides(self, **kwargs: Any) -> EngineSettings:
@@ -284,18 +295,6 @@ def _kv_pool(
     return kv_bytes, kv_note
 
 
-def _with_realtime_settings(additional: Any, settings: EngineSettings) -> dict[str, Any]:
-    """vLLM's `additional_config` with our settings under our key: they reach EngineCore and the
-    workers inside the engine's config, and mark the engine as ours, the one kind the plugin
-    installs its hooks in (retention/vllm_adapter/plugin.py). An operator's own keys are kept."""
-    from retention.vllm_adapter.settings import INTROSPECTION, REALTIME_CONFIG_KEY
-
-    if additional is not None and not isinstance(additional, dict):
-        raise EngineConfigError("--additional-config must be a JSON object")
-    ours = {INTROSPECTION: settings.introspection}
-    return {**(additional or {}), REALTIME_CONFIG_KEY: ours}
-
-
 def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None = None) -> Any:
     """vLLM's AsyncEngineArgs for `settings` on `platform` (detected when None). Logs what it
     decided for the platform: the model runner is chosen separately (select_model_runner)."""
@@ -320,8 +319,8 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
         mm_processor_cache_gb=0,
         async_scheduling=False,
         disable_log_stats=True,
-        # BoundedSessionScheduler plus per-chunk grammars (retention/vllm_adapter/chunk_grammar.py).
-        scheduler_cls="retention.vllm_adapter.chunk_grammar.ChunkGrammarScheduler",
+        scheduler_cls=SCHEDULER_CLS,
+        additional_config=realtime_additional_config(settings, extra),
         # Structured replies (realtime/structured.py) with xgrammar, in compact JSON: vLLM's xgrammar backend
         # reads this engine-wide flag, not the request's; with free whitespace the tiny VLM
         # padded every reply with newlines until max_tokens.
@@ -338,7 +337,6 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
     elif not platform.cuda:
         kwargs["block_size"] = CPU_DEFAULT_BLOCK_SIZE
     kwargs.update(extra)
-    kwargs["additional_config"] = _with_realtime_settings(kwargs.get("additional_config"), settings)
     log.info(
         "engine on %s: context %s, KV pool %s, %s",
         "CUDA" if platform.cuda else "CPU",
@@ -347,6 +345,31 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
         "eager (no CUDA graphs)" if kwargs["enforce_eager"] else "CUDA graphs on",
     )
     return AsyncEngineArgs(**kwargs)
+
+
+def realtime_additional_config(settings: EngineSettings, extra: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `additional_config` with our settings under our key: they reach EngineCore and the
+    workers inside the engine's config, and mark the engine as ours, the one kind the plugin
+    installs its hooks in (retention/vllm_adapter/plugin.py). Pops an operator's own
+    `--additional-config` from `extra` and keeps its keys beside ours; ours always replace an
+    operator's entry under our key, so introspection cannot be switched on behind `serve`."""
+    from retention.vllm_adapter.settings import (
+        CONSOLIDATION_KEY,
+        INTROSPECTION,
+        REALTIME_CONFIG_KEY,
+        REPREFILL_PIECE_KEY,
+    )
+
+    ours: dict[str, Any] = {
+        INTROSPECTION: settings.introspection,
+        REPREFILL_PIECE_KEY: settings.reprefill_piece,
+    }
+    if settings.consolidation is not None:
+        ours[CONSOLIDATION_KEY] = settings.consolidation
+    given = extra.pop("additional_config", None)
+    if given is not None and not isinstance(given, dict):
+        raise EngineConfigError(f"--additional-config must be a JSON object, got {given!r}")
+    return {**(given or {}), REALTIME_CONFIG_KEY: ours}
 
 
 def start_engine(settings: EngineSettings, platform: EnginePlatform | None = None) -> AsyncLLM:

@@ -89,7 +89,7 @@ class EngineFacts:
 
     @classmethod
     def of(cls, engine: Any) -> EngineFacts:
-        from retention.vllm_adapter.bounded_scheduler import model_max_position
+        from retention.vllm_adapter.session_scheduler import model_max_position
 
         model_config = engine.model_config
         scheduler_config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)

@@ -60,6 +60,10 @@ def test_retention_max_position_must_be_positive() -> None:
         [str(BIN), "serve", "--retention-max-position", "0"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "must be >= 1" in out.stderr
+    out = subprocess.run(
+        [str(BIN), "serve", "--reprefill-piece", "96"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "must be 0 or a power of two" in out.stderr
     for flag in ("--drain-timeout", "--max-resume-grace"):
         out = subprocess.run([str(BIN), "serve", flag, "-1"], capture_output=True, text=True)
         assert out.returncode == 2 and "must be >= 0" in out.stderr, (flag, out.stderr)

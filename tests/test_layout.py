@@ -27,7 +27,6 @@ VLLM_KNOWN = {
     "bench/engine_timing.py",
     "bench/run.py",
     "bench/tail_latency.py",
-    "bench/watch.py",
     "training/vlm_accuracy.py",
 }
 # Known functions over MAX_FUNCTION_LINES outside bench/, "path:qualname" -> lines today. Each

@@ -1,5 +1,8 @@
 """A chunk's structured-output grammar, carried into its streaming-input session (vLLM 0.32).
 
+A part of `session_scheduler.RealtimeSessionScheduler`: it installs the carrying update once
+(`install_chunk_grammar_update`) and calls `take_chunk_grammar` after every session fold.
+
 Theory of operation: vLLM builds a request's grammar (`Request.structured_output_request`) when the
 request is created (EngineCore's input thread compiles it, `grammar_init`), and for a
 streaming-input session that is the FIRST chunk's only: `StreamingUpdate.from_request` carries a
@@ -25,8 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from retention.vllm_adapter.bounded_scheduler import BoundedSessionScheduler
-
 _CARRIES = "structured_output_request"
 
 
@@ -51,24 +52,20 @@ def install_chunk_grammar_update() -> None:
     sched.StreamingUpdate = ChunkGrammarUpdate
 
 
-class ChunkGrammarScheduler(BoundedSessionScheduler):
-    """BoundedSessionScheduler whose session folds take each chunk's grammar."""
+def take_chunk_grammar(session: Any, update: Any) -> None:
+    """After the fold of `update` into `session`: the session answers with the chunk's grammar.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        install_chunk_grammar_update()
+    Called for every fold, including one the context-length guard refused (the session is then
+    parked for its error and never runs again, so the grammar it holds is never used)."""
+    from vllm.v1.request import RequestStatus
 
-    def _update_request_as_session(self, session: Any, update: Any) -> None:
-        from vllm.v1.request import RequestStatus
-
-        super()._update_request_as_session(session, update)
-        if not hasattr(update, _CARRIES):
-            return
-        grammar = getattr(update, _CARRIES)
-        session.structured_output_request = grammar
-        if (
-            grammar is not None
-            and session.status == RequestStatus.WAITING
-            and not grammar.is_grammar_ready
-        ):
-            session.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    if not hasattr(update, _CARRIES):
+        return  # an update built before install_chunk_grammar_update: vLLM's own behaviour
+    grammar = getattr(update, _CARRIES)
+    session.structured_output_request = grammar
+    if (
+        grammar is not None
+        and session.status == RequestStatus.WAITING
+        and not grammar.is_grammar_ready
+    ):
+        session.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR

@@ -64,7 +64,7 @@ complete up to ``num_computed_tokens``.
   arrives meanwhile waits in the front end for the control's boundary (one chunk in flight);
   the report of a control chunk never asks for another one.
 * Re-prefill step sizes. A re-prefill (consolidation or preemption resume) is scheduled in
-  pieces: whole ``reprefill_piece`` tokens (128; ``VLLM_REALTIME_REPREFILL_PIECE``, 0 = one
+  pieces: whole ``reprefill_piece`` tokens (128; ``serve --reprefill-piece``, 0 = one
   step), then falling powers of two (``policy.reprefill_piece``), through the scheduler's
   ``_reserve_prefill_lookahead`` hook, which vLLM calls for every request it schedules. The
   CPU worker keeps state per distinct step size (oneDNN, ~1.35 MB each); whole-window steps
@@ -89,7 +89,6 @@ Requests without the key take none of these paths (one dict lookup per fold).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -123,33 +122,32 @@ from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, w
 from retention.vllm_adapter.kv_range import evict_token_range_for_request, is_hashed_block
 from retention.vllm_adapter.mrope import PositionFunction, chunk_excess, local_features
 
-REPREFILL_PIECE_ENV: Final = "VLLM_REALTIME_REPREFILL_PIECE"
-"""Tokens per step of a re-prefill (a power of two; 0: the whole re-prefill in one step)."""
-
-DEFAULT_REPREFILL_PIECE: Final = 128
-
-CONSOLIDATION_ENV: Final = "VLLM_REALTIME_CONSOLIDATION"
-"""The engine's consolidation mode for sessions whose budget names none: rotate (default) or
-reprefill. Rotation is used only where the worker can rotate (1D RoPE, CPU attention)."""
-
-DEFAULT_CONSOLIDATION: Final[ConsolidationMode] = "rotate"
-
-
-def consolidation_from_env() -> ConsolidationMode:
-    raw = os.environ.get(CONSOLIDATION_ENV, "").strip() or DEFAULT_CONSOLIDATION
-    for mode in CONSOLIDATION_MODES:
-        if raw == mode:
-            return mode
-    raise ValueError(f"{CONSOLIDATION_ENV} must be one of {', '.join(CONSOLIDATION_MODES)}")
-
-
-def reprefill_piece_from_env() -> int:
-    raw = os.environ.get(REPREFILL_PIECE_ENV, "")
-    return int(raw) if raw.strip() else DEFAULT_REPREFILL_PIECE
-
 
 class RetentionConfigError(ValueError):
     """A retention budget that this engine cannot serve."""
+
+
+DEFAULT_REPREFILL_PIECE: Final = 128
+"""Tokens per step of a re-prefill (a power of two; 0: the whole re-prefill in one step), when
+the engine's settings name none (`settings.REPREFILL_PIECE_KEY`, `serve --reprefill-piece`)."""
+
+DEFAULT_CONSOLIDATION: Final[ConsolidationMode] = "rotate"
+"""The consolidation mode for sessions whose budget names none, when the engine's settings name
+none either (`settings.CONSOLIDATION_KEY`, `serve --consolidation`). Rotation is used only where
+the worker can rotate (1D RoPE, CPU attention)."""
+
+
+def consolidation_mode(raw: object) -> ConsolidationMode:
+    """A consolidation mode from the engine's settings (None: the default)."""
+    if raw is None:
+        return DEFAULT_CONSOLIDATION
+    for mode in CONSOLIDATION_MODES:
+        if raw == mode:
+            return mode
+    raise RetentionConfigError(
+        f"the engine's consolidation setting must be one of {', '.join(CONSOLIDATION_MODES)}, "
+        f"got {raw!r}"
+    )
 
 
 @dataclass
@@ -332,9 +330,9 @@ class SessionRetention:
         max_model_len: int | None = None,
         uses_mrope: bool = False,
         encoder_cache_manager: Any = None,
-        reprefill_piece: int | None = None,
+        reprefill_piece: int = DEFAULT_REPREFILL_PIECE,
         rotation_supported: bool = False,
-        default_consolidation: ConsolidationMode | None = None,
+        default_consolidation: ConsolidationMode = DEFAULT_CONSOLIDATION,
         position_function: PositionFunction | None = None,
     ) -> None:
         self.kv_cache_manager = kv_cache_manager
@@ -343,16 +341,13 @@ class SessionRetention:
         self.max_model_len = max_model_len
         self.uses_mrope = uses_mrope
         self.encoder_cache_manager = encoder_cache_manager
-        self.reprefill_piece = (
-            reprefill_piece_from_env() if reprefill_piece is None else reprefill_piece
-        )
-        piece = self.reprefill_piece
+        piece = self.reprefill_piece = reprefill_piece
         if piece < 0 or piece & (piece - 1):
             raise RetentionConfigError(
-                f"{REPREFILL_PIECE_ENV} must be 0 or a power of two, got {piece}"
+                f"the re-prefill piece (--reprefill-piece) must be 0 or a power of two, got {piece}"
             )
         self.rotation_supported = rotation_supported and not uses_mrope
-        self.default_consolidation = default_consolidation or consolidation_from_env()
+        self.default_consolidation = default_consolidation
         self.sessions: dict[str, SessionRetentionState] = {}
         # mRoPE: the model's own position function, to measure each chunk's excess.
         self.position_function = position_function

@@ -9,7 +9,7 @@ with transformers' own forward of the same weights (the masked dense oracle of
 docs/architecture.md). So a family is served only if it is in this table, which names the test
 that proves it; any other family is refused, with its name and the reason, when the server
 starts (``realtime/hub.py``) and when a bounded session reaches the scheduler
-(``bounded_scheduler.py``), never served on a guess.
+(``session_scheduler.py``), never served on a guess.
 
 A family is keyed by the architecture vLLM instantiates (``config.json``'s ``architectures``).
 The position scheme is checked against the engine too: a covered architecture whose config

@@ -30,3 +30,12 @@ def realtime_settings(vllm_config: Any) -> dict[str, Any] | None:
 
 def introspection_requested(settings: dict[str, Any]) -> bool:
     return bool(settings.get(INTROSPECTION, False))
+
+
+CONSOLIDATION_KEY: Final = "consolidation"
+"""The engine's consolidation mode for a budget that names none ("rotate", "reprefill");
+`serve --consolidation`. Absent: `eviction.DEFAULT_CONSOLIDATION`."""
+
+REPREFILL_PIECE_KEY: Final = "reprefill_piece"
+"""Tokens per step of a consolidation's re-prefill (0 or a power of two; 0: one step);
+`serve --reprefill-piece`. Absent: `eviction.DEFAULT_REPREFILL_PIECE`."""

@@ -12,7 +12,7 @@ Theory of operation
 ===================
 
 Four weaknesses of stock 0.32 are closed here, all on the front-end side; the EngineCore side
-is `retention.vllm_adapter.scheduler.RetentionScheduler`. Each one is shown on the real engine
+is `retention.vllm_adapter.stream_guards`, a part of the scheduler. Each one is shown on the real engine
 by tests/retention/test_streaming_hardening.py.
 
 a. Boundaries are never merged away. `RequestOutputCollector.put` merges DELTA outputs while
@@ -26,7 +26,7 @@ a. Boundaries are never merged away. `RequestOutputCollector.put` merges DELTA o
 b. Engine-initiated ABORT / ERROR is terminal. `OutputProcessor.process_outputs` forces
    `finished=False` on every output of a session whose stream is still open, so an abort from
    EngineCore (pause, shutdown, fault handling) or an error (a chunk that failed EngineCore
-   pre-processing, `RetentionScheduler`'s context-length error) looked like a boundary: the
+   pre-processing, `StreamingGuards`' context-length error) looked like a boundary: the
    consumer waited forever and the next chunk resurrected the session. The wrapper marks such a
    session's stream closed right before vLLM handles that output (the batch is handed to vLLM
    in segments, so an earlier output of the same batch, such as the session's last chunk
@@ -46,7 +46,7 @@ c. No chunk after an abort. `AsyncLLM.abort` (and `generate`'s cancel path, whic
    registration run without an `await` in between), so a session that ended for any other
    reason is never revived from the front end either. Non-first chunks and end-of-stream are
    tagged (`STREAM_ROLE_KEY` in `SamplingParams.extra_args`, on a copy of the shared params),
-   which lets `RetentionScheduler` reject what still arrives for an id it does not know.
+   which lets `StreamingGuards` reject what still arrives for an id it does not know.
 
 d. A zero-chunk stream ends cleanly: as in vLLM, STREAM_FINISHED is delivered and nothing is
    sent to EngineCore (the `[0]` end-of-stream request is built only for validation). The
@@ -80,7 +80,7 @@ aside, as the capability record (capabilities.py) says:
   itself (`terminal_abort_error`): the wrapper is not installed;
 * (c, d) the input loop re-checks `has_request` before each later chunk and before
   end-of-stream (`stream_liveness_check`): our re-check is skipped; the tags stay (vLLM has no
-  counterpart of `RetentionScheduler`'s late-chunk check), and so does `abort`'s wait for the
+  counterpart of `StreamingGuards`' late-chunk check), and so does `abort`'s wait for the
   input stream.
 
 Everything is installed by `install_streaming_hardening()`, in the front-end process that starts
@@ -123,7 +123,7 @@ _ROLES: Final = frozenset({CONTINUATION, END})
 
 # How long `abort` waits for an input-stream task it cancelled. A well-behaved client generator
 # ends at once; one that swallows cancellation must not hang the abort (the re-check before
-# every chunk and RetentionScheduler still keep a late chunk from doing harm).
+# every chunk and StreamingGuards still keep a late chunk from doing harm).
 INPUT_STREAM_STOP_TIMEOUT_S: Final = 5.0
 
 _INSTALLED_ATTR: Final = "_vllm_realtime_streaming_hardening"
@@ -329,7 +329,7 @@ def _make_add_request(original: AddRequestFn) -> AddRequestFn:
     error, or aborted), a chunk would register as a new request on both sides and an
     end-of-stream `[0]` would run as a placeholder generation (d); instead the chunk ends the
     input loop and the end-of-stream is not sent. No await between this check and vLLM's
-    registration. What is sent is tagged (`STREAM_ROLE_KEY`) so that `RetentionScheduler`
+    registration. What is sent is tagged (`STREAM_ROLE_KEY`) so that `StreamingGuards`
     drops what still reaches it for an id it no longer knows."""
     upstream_check = vllm_capabilities().stream_liveness_check
 
@@ -416,7 +416,7 @@ def _make_abort(original: AbortFn) -> AbortFn:
             await stop_input_streams(self, ids, internal)
         finally:
             # Even if this task is cancelled while it waits, the abort itself must happen; a
-            # chunk still in flight then meets the liveness re-check or RetentionScheduler.
+            # chunk still in flight then meets the liveness re-check or StreamingGuards.
             await original(self, request_id, internal)
 
     abort.__doc__ = original.__doc__
@@ -442,7 +442,7 @@ def _make_process_outputs(original: ProcessOutputsFn) -> ProcessOutputsFn:
         # before vLLM handles that output, so vLLM reports finished=True and frees the state
         # instead of forcing finished=False and waiting for the next chunk. Only that output:
         # the same batch may carry the session's last chunk boundary first (e.g. the
-        # context-length error of RetentionScheduler comes right after it), which must stay a
+        # context-length error of StreamingGuards comes right after it), which must stay a
         # boundary. So the batch is handed to vLLM in segments cut before each such output.
         # Candidates: ABORT/ERROR of a session whose stream is open. `streaming_input` only
         # ever goes from True to False, so this is a superset of what is re-checked below;

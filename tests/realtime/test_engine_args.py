@@ -162,16 +162,56 @@ def test_our_settings_mark_the_engine_and_introspection_is_opt_in() -> None:
     from retention.vllm_adapter.settings import INTROSPECTION, REALTIME_CONFIG_KEY
 
     served = build_engine_args(EngineSettings(model="tiny-qwen2-vl"), SMALL_CPU)
-    assert served.additional_config == {REALTIME_CONFIG_KEY: {INTROSPECTION: False}}
+    assert served.additional_config[REALTIME_CONFIG_KEY][INTROSPECTION] is False
     tests = build_engine_args(EngineSettings(model="tiny-qwen2-vl", introspection=True), CUDA)
-    assert tests.additional_config == {REALTIME_CONFIG_KEY: {INTROSPECTION: True}}
+    assert tests.additional_config[REALTIME_CONFIG_KEY][INTROSPECTION] is True
     theirs = {"kda_prefill_backend": "auto", REALTIME_CONFIG_KEY: {INTROSPECTION: True}}
     args = build_engine_args(
         EngineSettings(model="tiny-qwen2-vl", extra={"additional_config": theirs}), SMALL_CPU
     )
     assert args.additional_config == {
         "kda_prefill_backend": "auto",
-        REALTIME_CONFIG_KEY: {INTROSPECTION: False},
+        REALTIME_CONFIG_KEY: {INTROSPECTION: False, "reprefill_piece": 128},
+    }
+
+
+def test_serve_runs_the_one_scheduler_with_its_settings_in_the_engine_config() -> None:
+    from realtime.engine import SCHEDULER_CLS
+    from retention.vllm_adapter.session_scheduler import RealtimeSessionScheduler
+    from retention.vllm_adapter.settings import (
+        INTROSPECTION,
+        REALTIME_CONFIG_KEY,
+        realtime_settings,
+    )
+
+    module, _, name = SCHEDULER_CLS.rpartition(".")
+    assert (module, name) == (RealtimeSessionScheduler.__module__, "RealtimeSessionScheduler")
+    args = build_engine_args(EngineSettings(model="tiny-qwen2-vl"), SMALL_CPU)
+    assert args.scheduler_cls == SCHEDULER_CLS
+    # Defaults: the piece of 128 always; no consolidation key (the scheduler's own default).
+    assert args.additional_config == {
+        REALTIME_CONFIG_KEY: {INTROSPECTION: False, "reprefill_piece": 128}
+    }
+    settings = EngineSettings(
+        model="tiny-qwen2-vl",
+        consolidation="reprefill",
+        reprefill_piece=0,
+        # An operator's own --additional-config is kept beside ours.
+        extra={"additional_config": {"theirs": 1}},
+    )
+    args = build_engine_args(settings, SMALL_CPU)
+    assert args.additional_config == {
+        "theirs": 1,
+        REALTIME_CONFIG_KEY: {
+            INTROSPECTION: False,
+            "reprefill_piece": 0,
+            "consolidation": "reprefill",
+        },
+    }
+    assert realtime_settings(SimpleNamespace(additional_config=args.additional_config)) == {
+        INTROSPECTION: False,
+        "reprefill_piece": 0,
+        "consolidation": "reprefill",
     }
     with pytest.raises(EngineConfigError, match="additional-config"):
         build_engine_args(

@@ -82,6 +82,7 @@ def make_scheduler(
     num_blocks: int = 64,
     max_model_len: int = 1024,
     prefix_caching: bool = True,
+    additional_config: dict[str, Any] | None = None,
 ) -> Any:
     config = make_vllm_config(
         block_size=block_size,
@@ -89,6 +90,9 @@ def make_scheduler(
         max_model_len=max_model_len,
         prefix_caching=prefix_caching,
     )
+    if additional_config is not None:
+        # What realtime/engine.py passes vLLM as `additional_config` (our settings).
+        config.additional_config = additional_config
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],

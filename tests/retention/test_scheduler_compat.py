@@ -10,7 +10,7 @@ place taken by `fake_engine.FakeModel`. What each test pins:
   hits for its first blocks (vLLM 0.34 dropped `skip_reading_prefix_cache` for
   `prefix_cache_hit_limit`: writing the old field there is silently ignored, shown too);
 * vLLM's fold produces the length `capabilities.folded_length` predicts, and a fold past
-  max_model_len ends the session with CONTEXT_LENGTH_EXCEEDED (RetentionScheduler);
+  max_model_len ends the session with CONTEXT_LENGTH_EXCEEDED (the scheduler's StreamingGuards);
 * a late chunk for an unknown session is rejected (LATE_CHUNK_REJECTED), not run;
 * the engine refuses to start bounded sessions where the worker hooks cannot be installed.
 """
@@ -28,13 +28,12 @@ from vllm.v1.request import Request, RequestStatus
 from retention.policy import REQUEST_ARGS_KEY
 from retention.records import CONTEXT_LENGTH_EXCEEDED, LATE_CHUNK_REJECTED
 from retention.vllm_adapter import UnsupportedVLLMVersion
-from retention.vllm_adapter.bounded_scheduler import BoundedSessionScheduler
 from retention.vllm_adapter.capabilities import (
     folded_length,
     skip_prefix_cache_reads,
     vllm_capabilities,
 )
-from retention.vllm_adapter.scheduler import RetentionScheduler
+from retention.vllm_adapter.session_scheduler import RealtimeSessionScheduler
 from retention.vllm_adapter.streaming import CONTINUATION, STREAM_ROLE_KEY
 from tests.retention.fake_engine import FakeModel, block_hasher, make_scheduler, step
 
@@ -47,7 +46,7 @@ CHUNK = 31
 MAX_TOKENS = 2
 
 
-class SchedulerOnly(BoundedSessionScheduler):
+class SchedulerOnly(RealtimeSessionScheduler):
     """The scheduler half alone: no worker here to need the worker hooks."""
 
     requires_worker_hooks = False
@@ -187,7 +186,7 @@ def test_after_a_preemption_the_resume_reads_nothing_from_the_prefix_cache() -> 
 def test_the_fold_keeps_what_capabilities_predict_and_the_context_guard_ends_the_session() -> None:
     max_model_len = 128
     scheduler = make_scheduler(
-        RetentionScheduler, block_size=BS, num_blocks=64, max_model_len=max_model_len
+        SchedulerOnly, block_size=BS, num_blocks=64, max_model_len=max_model_len
     )
     model = FakeModel()
     sp = params()
@@ -213,7 +212,7 @@ def test_the_fold_keeps_what_capabilities_predict_and_the_context_guard_ends_the
 
 
 def test_a_late_chunk_for_an_unknown_session_is_rejected_not_run() -> None:
-    scheduler = make_scheduler(RetentionScheduler, block_size=BS, num_blocks=64)
+    scheduler = make_scheduler(SchedulerOnly, block_size=BS, num_blocks=64)
     model = FakeModel()
     late = new_chunk(scheduler, "gone", chunk_tokens(0), params(**{STREAM_ROLE_KEY: CONTINUATION}))
     scheduler.add_request(late)
@@ -231,9 +230,36 @@ def test_a_late_chunk_for_an_unknown_session_is_rejected_not_run() -> None:
 def test_bounded_sessions_are_refused_where_the_worker_hooks_cannot_run() -> None:
     refusal = vllm_capabilities().serving_refusal
     if refusal is None:
-        assert isinstance(make_scheduler(BoundedSessionScheduler), BoundedSessionScheduler)
+        assert isinstance(make_scheduler(RealtimeSessionScheduler), RealtimeSessionScheduler)
         return
     with pytest.raises(UnsupportedVLLMVersion, match="worker hooks") as raised:
-        make_scheduler(BoundedSessionScheduler)
+        make_scheduler(RealtimeSessionScheduler)
     # 0.34: the runner is gone (not ported to V2); 0.33: there, but no test runs the hooks on it.
     assert "not ported" in str(raised.value) or "no CPU build" in str(raised.value)
+
+
+def test_the_engine_settings_reach_the_retention_part_and_a_bad_one_refuses_to_start() -> None:
+    from retention.vllm_adapter.eviction import (
+        DEFAULT_CONSOLIDATION,
+        DEFAULT_REPREFILL_PIECE,
+        RetentionConfigError,
+    )
+    from retention.vllm_adapter.settings import (
+        CONSOLIDATION_KEY,
+        REALTIME_CONFIG_KEY,
+        REPREFILL_PIECE_KEY,
+    )
+
+    # An engine vllm-realtime did not configure (no settings): the defaults.
+    scheduler = make_scheduler(SchedulerOnly)
+    assert scheduler.retention.reprefill_piece == DEFAULT_REPREFILL_PIECE == 128
+    assert scheduler.retention.default_consolidation == DEFAULT_CONSOLIDATION == "rotate"
+    ours = {CONSOLIDATION_KEY: "reprefill", REPREFILL_PIECE_KEY: 0}
+    scheduler = make_scheduler(SchedulerOnly, additional_config={REALTIME_CONFIG_KEY: ours})
+    assert (scheduler.retention.reprefill_piece, scheduler.retention.default_consolidation) == (
+        0,
+        "reprefill",
+    )
+    for bad in ({REPREFILL_PIECE_KEY: 96}, {CONSOLIDATION_KEY: "shift"}):
+        with pytest.raises(RetentionConfigError):
+            make_scheduler(SchedulerOnly, additional_config={REALTIME_CONFIG_KEY: bad})

@@ -129,7 +129,7 @@ async def test_a_every_boundary_reaches_a_consumer_that_falls_behind(
     with pytest.raises(StopAsyncIteration):
         await next_output(gen)
     await until(lambda: "a-session" not in str(list(scheduler.requests)))
-    # The end-of-stream request was tagged, the later chunks too (RetentionScheduler's check).
+    # The end-of-stream request was tagged, the later chunks too (StreamingGuards' check).
     roles = [
         (r.sampling_params.extra_args or {}).get(STREAM_ROLE_KEY)
         for r in sent_for(core, "a-session")

@@ -18,7 +18,8 @@ h. a bounded session's front-end prompt state stays one chunk long (stock 0.32 a
    chunk's text and ids to it for the session's life).
 
 The fixes live in retention/vllm_adapter/streaming.py (front end, installed by `start_engine`)
-and retention/vllm_adapter/scheduler.py (`RetentionScheduler`, in EngineCore).
+and retention/vllm_adapter/stream_guards.py (`StreamingGuards`, a part of the scheduler, in
+EngineCore).
 
 Runtime: every engine step of SmolLM2-135M is ~50-200 ms on 2 cores, so chunks are short and
 max_tokens is 2; the shared session engines come from tests/conftest.py. Only the stock-0.32
@@ -240,7 +241,7 @@ async def test_b_engine_abort_ends_the_session(smollm2_engine: Any) -> None:
             input_closed.set()
 
     # Every request the front end sends to EngineCore: after the abort, none for this session
-    # (the front end's own re-check, not only RetentionScheduler's rejection of a late chunk).
+    # (the front end's own re-check, not only StreamingGuards' rejection of a late chunk).
     sent: list[str] = []
     core = engine.engine_core
     add_request_async = core.add_request_async
@@ -370,7 +371,7 @@ async def test_c_late_chunk_for_a_finished_or_unknown_session_is_rejected(
     smollm2_engine: Any,
 ) -> None:
     """c. A non-first chunk (tagged by our front end) whose request id EngineCore does not know
-    any more (session finished) or never knew is rejected by `RetentionScheduler.add_request`
+    any more (session finished) or never knew is rejected by `RealtimeSessionScheduler.add_request`
     with an error output; stock 0.32 adds it as a new resumable request that then pins KV in
     WAITING_FOR_STREAMING_REQ forever. A late end-of-stream request is dropped (stock: run as a
     new `[0]` request). They are built and tagged exactly as the front end builds them and sent
@@ -426,7 +427,7 @@ async def test_d_zero_chunk_stream_ends_cleanly(smollm2_engine: Any) -> None:
     EngineCore: stock 0.32 already puts STREAM_FINISHED instead of its `[0]` end-of-stream
     request (not present). The end-of-stream request of a session the engine has already
     finished is never run as a placeholder generation either: our front end does not send it
-    (test_b_engine_abort...) and `RetentionScheduler` drops one that arrives late
+    (test_b_engine_abort...) and `StreamingGuards` drops one that arrives late
     (test_c_late_chunk...)."""
     engine = smollm2_engine
     rid = unique_id("d-empty")
@@ -526,7 +527,7 @@ async def test_e_folded_blocks_never_serve_stale_kv_to_another_request(
 
 @pytest.mark.slow
 async def test_f_stock_vllm_dies_when_a_session_outgrows_max_model_len() -> None:
-    """f, stock 0.32 (canary for why `RetentionScheduler` exists): on a dedicated small engine
+    """f, stock 0.32 (canary for why `StreamingGuards` exists): on a dedicated small engine
     with vLLM's own scheduler, a session whose folded context exceeds max_model_len crashes the
     worker ("could not broadcast input array from shape (261,) into shape (256,)") and every
     request gets EngineDeadError. Kills only its own engine."""
@@ -561,7 +562,7 @@ async def test_f_stock_vllm_dies_when_a_session_outgrows_max_model_len() -> None
 async def test_f_session_outgrowing_max_model_len_gets_an_error_others_live_on(
     smollm2_engine: Any,
 ) -> None:
-    """f, fixed: `RetentionScheduler._update_request_as_session` checks the cumulative context
+    """f, fixed: `RealtimeSessionScheduler._update_request_as_session` checks the cumulative context
     before it folds a chunk in, on both of vLLM's fold paths: a chunk that arrives for a parked
     session (`add_request`, session "parked") and one queued while the previous chunk still
     ran (`_handle_stopped_request`, session "queued"). A session that would reach max_model_len
@@ -569,7 +570,7 @@ async def test_f_session_outgrowing_max_model_len_gets_an_error_others_live_on(
     its KV is freed; a concurrent session and a plain request on the same engine carry on."""
     from vllm.v1.engine.output_processor import RequestOutputCollector
 
-    from retention.vllm_adapter.scheduler import CONTEXT_LENGTH_EXCEEDED
+    from retention.vllm_adapter.stream_guards import CONTEXT_LENGTH_EXCEEDED
 
     engine = smollm2_engine
     assert engine.model_config.max_model_len == 1024
@@ -659,7 +660,7 @@ def test_g_data_parallel_sticky_routing_is_refused_here() -> None:
     session holding only that chunk. With our layer the front end sends no chunk once it knows
     the session ended (b, c), a chunk already in flight still goes to the old engine (the entry
     is dropped only when the front end learns of the end), and a tagged continuation for an
-    unknown id is rejected by `RetentionScheduler.add_request` on whichever engine it reaches,
+    unknown id is rejected by `RealtimeSessionScheduler.add_request` on whichever engine it reaches,
     which also reports the id in `finished_requests` so the routing entry it created is dropped
     again. Affinity is per front-end process; a session lives in one process, so that suffices.
 
@@ -667,7 +668,7 @@ def test_g_data_parallel_sticky_routing_is_refused_here() -> None:
     vLLM's CPU platform accepts data_parallel_size=2 (`create_engine_config` gives
     data_parallel_backend "mp", 2 local ranks) and AsyncLLM started two EngineCore processes
     with `DPLBAsyncMPClient` in ~57 s on 2 cores; four concurrent 3-chunk sessions (with
-    RetentionScheduler and the front-end patches) each got all 3 chunk boundaries and 6 tokens,
+    StreamingGuards and the front-end patches) each got all 3 chunk boundaries and 6 tokens,
     and `reqs_in_flight` was empty afterwards. Two engines on 2 cores only compete for the same
     cores, so `realtime.engine.start_engine` keeps refusing data_parallel_size > 1 before any
     engine starts; scale-out is one engine per server process, with a session pinned to its
