@@ -24,7 +24,11 @@ reply in flight then completes from ``session.resumed`` (its ``response.done``, 
 the stream), and a chunk the server never accepted is sent again.  When the server drains
 (``server.draining``) or the session cannot be resumed (expired, the server restarted), it opens
 a new session with the same settings on a new connection: :attr:`RealtimeSession.session_id`
-changes and :attr:`RealtimeSession.generation` counts up.  Calls made meanwhile wait.
+changes and :attr:`RealtimeSession.generation` counts up.  A drain that hands the session over
+(``server.draining`` with ``handover``: replicas sharing a session store) is followed by a
+resume instead, on whichever replica the reconnect reaches (through the router, e.g. with a
+``?session_key=`` of the client's own on the URL): the same session, its context intact.  Calls
+made meanwhile wait.
 """
 
 from __future__ import annotations
