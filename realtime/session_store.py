@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from protocol import SessionConfig
 from retention.records import SessionSnapshot
+from vllm_realtime_protocol import SessionConfig
 
 log = logging.getLogger("vllm_realtime")
 

@@ -102,7 +102,7 @@ def test_training_is_not_in_the_wheel() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     find = text.split("[tool.setuptools.packages.find]", 1)[1].split("\n[", 1)[0]
     include = [line for line in find.splitlines() if line.startswith("include = ")]
-    assert include == ['include = ["protocol*", "retention*", "realtime*"]']
+    assert include == ['include = ["vllm_realtime_protocol*", "retention*", "realtime*"]']
 
 
 def test_training_modules_import_each_other_without_a_cycle() -> None:
@@ -148,7 +148,9 @@ def test_the_retention_policy_imports_only_the_standard_library_and_retention() 
 def test_only_the_adapter_and_the_engine_modules_import_vllm() -> None:
     importers = {
         rel
-        for rel, tree in _modules("protocol", "realtime", "retention", "bench", "training")
+        for rel, tree in _modules(
+            "vllm_realtime_protocol", "realtime", "retention", "bench", "training"
+        )
         if any(_under(name, "vllm") for name in _imports(rel, tree))
     }
     outside = {rel for rel in importers if not rel.startswith(VLLM_ALLOWED)}

@@ -26,8 +26,10 @@ def test_wheel_carries_protocol_and_needs_only_pydantic_and_websockets(tmp_path:
         metadata_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
         metadata = Parser().parsestr(zf.read(metadata_name).decode())
         # The exact protocol the server runs: same files, same bytes (through the symlink).
-        for source in sorted((ROOT / "protocol").glob("*.py")):
-            assert zf.read(f"protocol/{source.name}") == source.read_bytes(), source.name
+        for source in sorted((ROOT / "vllm_realtime_protocol").glob("*.py")):
+            assert zf.read(f"vllm_realtime_protocol/{source.name}") == source.read_bytes(), (
+                source.name
+            )
         assert "vllm_realtime_client/py.typed" in names
         zf.extractall(tmp_path / "unpacked")
     requires = sorted(
@@ -39,8 +41,8 @@ def test_wheel_carries_protocol_and_needs_only_pydantic_and_websockets(tmp_path:
     assert "video" in metadata.get_all("Provides-Extra")
     # Importing it loads neither vLLM, torch nor the server.
     check = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import vllm_realtime_client, protocol; "
-        "assert protocol.__file__.startswith(sys.argv[1]), protocol.__file__; "
+        "import sys; sys.path.insert(0, sys.argv[1]); import vllm_realtime_client, vllm_realtime_protocol; "
+        "assert vllm_realtime_protocol.__file__.startswith(sys.argv[1]), vllm_realtime_protocol.__file__; "
         "heavy = {'vllm', 'torch', 'fastapi', 'uvicorn', 'realtime', 'retention', 'numpy'}; "
         "print(sorted(heavy & set(sys.modules)))"
     )

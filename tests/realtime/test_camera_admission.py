@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import websockets
 
-from protocol import SessionConfig
 from realtime.hub import CALIBRATION_CHUNKS
 from tests.realtime.conftest import (
     SUBPROTOCOLS,
@@ -27,6 +26,7 @@ from tests.realtime.conftest import (
     recv,
     recv_until,
 )
+from vllm_realtime_protocol import SessionConfig
 
 pytestmark = pytest.mark.slow
 

@@ -52,9 +52,24 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
 
-from protocol.codec import encode_client_event, parse_server_event, sniff_media
-from protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
-from protocol.events import (
+from vllm_realtime_client.errors import (
+    ChunkInFlight,
+    ConnectError,
+    ConnectionLost,
+    FrameTooLarge,
+    InvalidEvent,
+    RealtimeError,
+    ResponseTimeout,
+    SessionAlreadyOpen,
+    SessionClosed,
+    SessionNotOpen,
+    Unauthorized,
+    UndecodableFrame,
+    error_from_detail,
+)
+from vllm_realtime_protocol.codec import encode_client_event, parse_server_event, sniff_media
+from vllm_realtime_protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
+from vllm_realtime_protocol.events import (
     ChunkLimits,
     ErrorEvent,
     FrameAppendEvent,
@@ -82,21 +97,6 @@ from protocol.events import (
     SessionResumeEvent,
     SessionUpdatedEvent,
     SessionUpdateEvent,
-)
-from vllm_realtime_client.errors import (
-    ChunkInFlight,
-    ConnectError,
-    ConnectionLost,
-    FrameTooLarge,
-    InvalidEvent,
-    RealtimeError,
-    ResponseTimeout,
-    SessionAlreadyOpen,
-    SessionClosed,
-    SessionNotOpen,
-    Unauthorized,
-    UndecodableFrame,
-    error_from_detail,
 )
 
 __all__ = ["AuthMethod", "Connector", "RealtimeSession", "ResponseStream", "connect"]
@@ -183,10 +183,10 @@ class ResponseStream:
     """The reply to one chunk as it streams: an async iterator of its text deltas.
 
     The chunk is sent when iteration starts (so nothing is sent if the stream is never
-    iterated).  Iteration yields each :class:`~protocol.events.ResponseTextDeltaEvent` and
+    iterated).  Iteration yields each :class:`~vllm_realtime_protocol.events.ResponseTextDeltaEvent` and
     ends at ``response.done``, which is then in :attr:`done`; it raises the typed error if the
-    chunk was refused (:class:`~protocol.errors.ChunkInFlight`,
-    :class:`~protocol.errors.UndecodableFrame`, …), :class:`ResponseTimeout` if the reply took
+    chunk was refused (:class:`~vllm_realtime_protocol.errors.ChunkInFlight`,
+    :class:`~vllm_realtime_protocol.errors.UndecodableFrame`, …), :class:`ResponseTimeout` if the reply took
     longer than ``timeout`` (the reply is then cancelled), or the session's fatal error.
 
     Leaving the loop early does **not** cancel the reply (call :meth:`RealtimeSession.cancel`);
@@ -404,9 +404,9 @@ class RealtimeSession:
 
         ``config`` gives all settings at once; keyword arguments override its fields
         (``retention`` and ``sampling`` may be dicts, e.g. ``{"window_chunks": 4}``).
-        Raises :class:`~protocol.errors.CapacityExceeded` when the server is full (the
+        Raises :class:`~vllm_realtime_protocol.errors.CapacityExceeded` when the server is full (the
         connection stays usable: call ``open`` again later), or
-        :class:`~protocol.errors.InvalidEvent` for settings the server refuses.
+        :class:`~vllm_realtime_protocol.errors.InvalidEvent` for settings the server refuses.
         """
         self._check_alive()
         if self._opened is not None or self._open_wait is not None:
@@ -462,8 +462,8 @@ class RealtimeSession:
 
         ``binary=True`` (default) sends the bytes as a binary WebSocket message after a
         ``frame.append`` with ``"binary": true``; ``binary=False`` sends base64 inside the JSON.
-        Size and format are checked here first (:class:`~protocol.errors.FrameTooLarge`,
-        :class:`~protocol.errors.UndecodableFrame`), without a round trip.
+        Size and format are checked here first (:class:`~vllm_realtime_protocol.errors.FrameTooLarge`,
+        :class:`~vllm_realtime_protocol.errors.UndecodableFrame`), without a round trip.
         """
         media = sniff_media(data)
         if media is None:
@@ -1388,7 +1388,7 @@ def connect(
 
     :param url: the WebSocket endpoint, e.g. ``ws://127.0.0.1:8000/v1/realtime``.
     :param api_key: the server's API key, if it has one.  A wrong key raises
-        :class:`~protocol.errors.Unauthorized`.
+        :class:`~vllm_realtime_protocol.errors.Unauthorized`.
     :param auth: ``"header"`` sends ``Authorization: Bearer``; ``"subprotocol"`` sends the
         ``vllm-realtime.auth.<key>`` subprotocol (what browsers must do).
     :param config: if given, the session is opened with it before ``connect`` returns
