@@ -3,7 +3,7 @@ BIN := $(VENV)/bin
 
 .PHONY: setup run test lint unit bench types compat
 
-$(VENV)/.setup-done: pyproject.toml scripts/setup.sh scripts/torchvision_cpu_shim.py
+$(VENV)/.setup-done: pyproject.toml vllm_realtime_protocol/pyproject.toml clients/python/pyproject.toml scripts/setup.sh scripts/torchvision_cpu_shim.py
 	bash scripts/setup.sh
 
 setup: $(VENV)/.setup-done
