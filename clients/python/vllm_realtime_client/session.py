@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from websockets.asyncio.client import ClientConnection
@@ -119,6 +119,22 @@ class _Default(enum.Enum):
 
 _DEFAULT = _Default.TOKEN
 _Timeout: TypeAlias = "float | _Default | None"
+
+if TYPE_CHECKING:  # typing.Unpack is 3.11+; annotations are not evaluated at run time
+    from typing import Unpack
+
+
+class _FrameOptions(TypedDict, total=False):
+    """The keywords of :meth:`RealtimeSession.stream_frame`, once, for the methods that take
+    them all and pass them on (:meth:`RealtimeSession.offer_frame`)."""
+
+    prompt: str | None
+    frame_id: str | None
+    timestamp: float | None
+    binary: bool
+    reply: bool
+    response_format: ResponseFormat | dict[str, Any] | None
+    timeout: _Timeout
 
 
 def _model(cls: type[BaseModel], value: Any) -> Any:
@@ -640,19 +656,14 @@ class RealtimeSession:
     async def offer_frame(
         self,
         data: bytes | Callable[[], bytes | Awaitable[bytes]],
-        *,
-        prompt: str | None = None,
-        frame_id: str | None = None,
-        timestamp: float | None = None,
-        binary: bool = True,
-        reply: bool = True,
-        response_format: ResponseFormat | dict[str, Any] | None = None,
-        timeout: _Timeout = _DEFAULT,
+        **options: Unpack[_FrameOptions],
     ) -> ResponseDoneEvent | None:
         """Send a frame if no chunk is in flight, else drop it and return None: how a live
         source paces itself (the JS client's ``offerFrame``; nothing queues, so latency stays
         one reply).  ``data`` may be a callable, so a frame is only captured or encoded when
-        it will be sent.  Drops are counted in :attr:`dropped`."""
+        it will be sent.  Drops are counted in :attr:`dropped`.  The keywords are
+        :meth:`stream_frame`'s (``prompt``, ``frame_id``, ``timestamp``, ``binary``,
+        ``reply``, ``response_format``, ``timeout``)."""
         if self.busy or not self._ready.is_set():
             self.dropped += 1
             return None
@@ -662,17 +673,7 @@ class RealtimeSession:
         if self.busy or not self._ready.is_set():  # taken while the frame was being made
             self.dropped += 1
             return None
-        stream = self.stream_frame(
-            payload,
-            prompt=prompt,
-            frame_id=frame_id,
-            timestamp=timestamp,
-            binary=binary,
-            reply=reply,
-            response_format=response_format,
-            timeout=timeout,
-        )
-        return await stream.result()
+        return await self.stream_frame(payload, **options).result()
 
     async def stream_video(
         self,
