@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from protocol import RealtimeError, SamplingConfig, SessionConfig
-from protocol.state import Frame
 from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession, render_chunk
 from realtime.prompt_format import ChatFormat
 from retention.records import SessionReport
 from retention.vllm_adapter.introspect import kv_stats
+from vllm_realtime_protocol import RealtimeError, SamplingConfig, SessionConfig
+from vllm_realtime_protocol.state import Frame
 
 # The server's default retention (protocol: sink_chunks=1, window_chunks=8), as the hub sends it.
 DEFAULT_RETENTION: dict[str, Any] = {"sink_tokens": 0, "sink_chunks": 1, "window_chunks": 8}

@@ -156,8 +156,8 @@ async def run_session(
         StreamingSession,
         engine_rss,
     )
-    from protocol import SessionConfig
     from realtime.engine_session import chat_format_of, render_chunk
+    from vllm_realtime_protocol import SessionConfig
 
     config = SessionConfig(instructions=INSTRUCTIONS, modality=modality)
     chat = chat_format_of(engine)
@@ -250,8 +250,8 @@ async def run_stateless(
         stateless_prompt,
         stateless_request,
     )
-    from protocol import SessionConfig
     from realtime.engine_session import chat_format_of
+    from vllm_realtime_protocol import SessionConfig
 
     config = SessionConfig(instructions=INSTRUCTIONS, modality=modality)
     chat = chat_format_of(engine)

@@ -279,9 +279,9 @@ async def _stream(
 ) -> None:
     """The session: `frames` frames on the frame clock, then what the engine says at the end."""
     from bench.driver import image_frame, text_frame
-    from protocol import SamplingConfig, SessionConfig
     from realtime.engine_session import EngineSession, chat_format_of, render_chunk
     from retention.vllm_adapter.diagnostics import heap_stats, watch_gc
+    from vllm_realtime_protocol import SamplingConfig, SessionConfig
 
     if args.timeline:
         await heap_stats(engine, "timeline_start")

@@ -43,8 +43,8 @@ def jpeg(seed: int, size: int = 112) -> bytes:
 
 class Session:
     def __init__(self, engine: Any, multimodal: bool, max_tokens: int) -> None:
-        from protocol import SamplingConfig, SessionConfig
         from realtime.engine_session import EngineSession, chat_format_of
+        from vllm_realtime_protocol import SamplingConfig, SessionConfig
 
         self.es = EngineSession(
             engine,
@@ -62,7 +62,7 @@ class Session:
         self.sent = 0
 
     def frame(self, reply: bool) -> Any:
-        from protocol import Frame
+        from vllm_realtime_protocol import Frame
 
         i = self.sent
         if self.multimodal:

@@ -47,17 +47,17 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from protocol import (
+from realtime.compute import ChunkKind, CostModel, SessionLoad, compute_problem
+from realtime.config import ServerConfig
+from realtime.media import MAX_CLIP_FRAMES
+from retention.policy import ConsolidationMode
+from vllm_realtime_protocol import (
     CapacityExceeded,
     ChunkTooLarge,
     ContextExceeded,
     InvalidRequestError,
     SessionConfig,
 )
-from realtime.compute import ChunkKind, CostModel, SessionLoad, compute_problem
-from realtime.config import ServerConfig
-from realtime.media import MAX_CLIP_FRAMES
-from retention.policy import ConsolidationMode
 
 BUDGET_FIELDS = frozenset(
     {"sink_tokens", "sink_chunks", "window_chunks", "window_tokens", "text_window_tokens"}

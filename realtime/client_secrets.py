@@ -17,7 +17,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from protocol import SessionConfig
+from vllm_realtime_protocol import SessionConfig
 
 SECRET_PREFIX = "ek_"
 """Every client secret starts with this; an API key must not (the server refuses such keys)."""

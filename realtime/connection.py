@@ -17,7 +17,11 @@ from typing import Any
 from fastapi import WebSocket, WebSocketDisconnect
 from starlette.websockets import WebSocketState
 
-from protocol import (
+from realtime.drain import Lifecycle
+from realtime.hub import SessionHub, SessionRecord
+from realtime.resumption import ResumeTokens, new_token
+from realtime.session_store import MediaKind, StoredSession, held_media
+from vllm_realtime_protocol import (
     AwaitBinary,
     CancelResponse,
     CapacityExceeded,
@@ -48,10 +52,6 @@ from protocol import (
     error_event,
     parse_client_event,
 )
-from realtime.drain import Lifecycle
-from realtime.hub import SessionHub, SessionRecord
-from realtime.resumption import ResumeTokens, new_token
-from realtime.session_store import MediaKind, StoredSession, held_media
 
 log = logging.getLogger("vllm_realtime")
 
@@ -237,7 +237,7 @@ class Connection:
 
     def _park(self) -> None:
         """The socket dropped: keep the session (engine request, KV, reservation) for its grace
-        period; a reply in flight runs on and its response.done is kept (protocol.state)."""
+        period; a reply in flight runs on and its response.done is kept (vllm_realtime_protocol.state)."""
         config = self.proto.config
         assert config is not None and config.resumable is not None
         self.proto.detach()

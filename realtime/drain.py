@@ -35,7 +35,7 @@ from typing import Any, Protocol
 import uvicorn
 from uvicorn.server import Server
 
-from protocol import CapacityExceeded
+from vllm_realtime_protocol import CapacityExceeded
 
 log = logging.getLogger("vllm_realtime")
 

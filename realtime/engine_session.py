@@ -33,18 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol import (
-    ContextExceeded,
-    EngineError,
-    Frame,
-    InvalidEvent,
-    JsonObjectFormat,
-    JsonSchemaFormat,
-    RealtimeError,
-    ResponseFormat,
-    SamplingConfig,
-    SessionConfig,
-)
 from realtime.media import decode_clip, decode_image
 from realtime.prompt_format import ChatFormat, ChatFormatError
 from retention.policy import (
@@ -58,6 +46,18 @@ from retention.policy import (
     idle_time_suffices,
 )
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport, SessionSnapshot
+from vllm_realtime_protocol import (
+    ContextExceeded,
+    EngineError,
+    Frame,
+    InvalidEvent,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    RealtimeError,
+    ResponseFormat,
+    SamplingConfig,
+    SessionConfig,
+)
 
 
 def structured_outputs(fmt: ResponseFormat | None) -> Any:

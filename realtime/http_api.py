@@ -21,7 +21,10 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from protocol import (
+from realtime.drain import Lifecycle
+from realtime.hub import SessionHub, SessionRecord
+from realtime.web import dump, error_response, http_key, read_body, status_for
+from vllm_realtime_protocol import (
     ChunkInFlight,
     ErrorEvent,
     FrameAppendEvent,
@@ -35,9 +38,6 @@ from protocol import (
     SessionOpenEvent,
     SubmitFrame,
 )
-from realtime.drain import Lifecycle
-from realtime.hub import SessionHub, SessionRecord
-from realtime.web import dump, error_response, http_key, read_body, status_for
 
 
 class HttpSessionClosed(BaseModel):

@@ -26,7 +26,26 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from protocol import (
+from realtime import __version__
+from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_or_default
+from realtime.compute import ChunkCost, ChunkKind, ChunkTiming, CostModel, PrefillClock
+from realtime.config import ServerConfig
+from realtime.engine_session import (
+    ChunkDelta,
+    ChunkFinished,
+    EngineFacts,
+    EngineSession,
+    chat_format_of,
+    kv_pool,
+    render_chunk,
+    served_model_family,
+)
+from realtime.media import MAX_CLIP_FRAMES, decode_clip, decode_image
+from realtime.metrics import Metrics
+from realtime.prompt_format import ChatFormat
+from realtime.session_store import SessionStore, StoredSession
+from realtime.structured import validate_format
+from vllm_realtime_protocol import (
     EngineError,
     Frame,
     InvalidEvent,
@@ -47,25 +66,6 @@ from protocol import (
     Usage,
     new_session_id,
 )
-from realtime import __version__
-from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_or_default
-from realtime.compute import ChunkCost, ChunkKind, ChunkTiming, CostModel, PrefillClock
-from realtime.config import ServerConfig
-from realtime.engine_session import (
-    ChunkDelta,
-    ChunkFinished,
-    EngineFacts,
-    EngineSession,
-    chat_format_of,
-    kv_pool,
-    render_chunk,
-    served_model_family,
-)
-from realtime.media import MAX_CLIP_FRAMES, decode_clip, decode_image
-from realtime.metrics import Metrics
-from realtime.prompt_format import ChatFormat
-from realtime.session_store import SessionStore, StoredSession
-from realtime.structured import validate_format
 
 log = logging.getLogger("vllm_realtime")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from protocol import UndecodableFrame
+from vllm_realtime_protocol import UndecodableFrame
 
 MAX_CLIP_FRAMES = 16
 # A clip whose container names no frame rate is read at Qwen-VL's default sampling rate.

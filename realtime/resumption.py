@@ -25,7 +25,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from protocol import SessionNotFound
+from vllm_realtime_protocol import SessionNotFound
 
 T = TypeVar("T")
 

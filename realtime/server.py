@@ -21,19 +21,6 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from protocol import (
-    ClientSecret,
-    ClientSecretRequest,
-    EngineError,
-    ErrorEvent,
-    InvalidEvent,
-    RealtimeError,
-    SessionConfig,
-    State,
-    Unauthorized,
-    api_key_from_handshake,
-    select_subprotocol,
-)
 from realtime.client_secrets import SECRET_PREFIX, ClientSecrets
 from realtime.config import ServerConfig
 from realtime.connection import Connection
@@ -49,6 +36,19 @@ from realtime.web import (
     read_body,
     redact_path,
     status_for,
+)
+from vllm_realtime_protocol import (
+    ClientSecret,
+    ClientSecretRequest,
+    EngineError,
+    ErrorEvent,
+    InvalidEvent,
+    RealtimeError,
+    SessionConfig,
+    State,
+    Unauthorized,
+    api_key_from_handshake,
+    select_subprotocol,
 )
 
 __all__ = ["Connection", "create_app", "redact_path", "run_server"]
@@ -317,8 +317,8 @@ def run_server(config: ServerConfig, settings: Any) -> None:
     # uvicorn's own WebSocket cap (16 MiB) equalled limits.max_event_bytes, so a text message
     # over the limit was never answered with the documented frame_too_large: the socket closed
     # with 1009 instead. A margin over the limit makes the documented answer reachable.
-    from protocol import DEFAULT_MAX_EVENT_BYTES
     from realtime.drain import DrainingServer
+    from vllm_realtime_protocol import DEFAULT_MAX_EVENT_BYTES
 
     server = DrainingServer(
         uvicorn.Config(

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlparse
 
-from protocol import SessionConfig
 from retention.records import SessionSnapshot
+from vllm_realtime_protocol import SessionConfig
 
 log = logging.getLogger("vllm_realtime")
 

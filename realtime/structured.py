@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from protocol import InvalidRequestError, JsonSchemaFormat, ResponseFormat
-from protocol.errors import truncate
+from vllm_realtime_protocol import InvalidRequestError, JsonSchemaFormat, ResponseFormat
+from vllm_realtime_protocol.errors import truncate
 
 
 def check_response_format(fmt: ResponseFormat | None, where: str) -> None:

@@ -9,9 +9,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from protocol import FrameTooLarge, RealtimeError, bearer_token, error_event
 from realtime.config import ServerConfig
 from realtime.hub import key_matches
+from vllm_realtime_protocol import FrameTooLarge, RealtimeError, bearer_token, error_event
 
 
 def key_accepted(config: ServerConfig, given: str | None) -> bool:

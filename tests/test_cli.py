@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
-from pathlib import Path
 
-import httpx
 import pytest
 import websockets
 
-from tests.realtime.conftest import free_port
-
-BIN = Path(sys.executable).parent / "vllm-realtime"
+from tests.tools import SERVE as BIN
+from tests.tools import served
 
 
 def test_models_list_shows_the_defaults() -> None:
@@ -71,50 +63,12 @@ def test_retention_max_position_must_be_positive() -> None:
 
 @pytest.mark.slow
 async def test_serve_answers_health_and_websocket() -> None:
-    port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
-    proc = subprocess.Popen(
-        [
-            str(BIN),
-            "serve",
-            "--port",
-            str(port),
-            "--kv-cache-memory-bytes",
-            str(32 << 20),
-            "--max-model-len",
-            "1024",
-            "--block-size",
-            "32",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 240
-        async with httpx.AsyncClient() as client:
-            while True:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                try:
-                    r = await client.get(f"http://127.0.0.1:{port}/health")
-                    if r.status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "server did not start"
-                await asyncio.sleep(0.5)
+    # served() also checks that SIGINT drains and exits 0 (realtime/drain.py); it used to
+    # re-raise the signal.
+    flags = ["--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "1024"]
+    async with served(*flags, "--block-size", "32") as port:
         url = f"ws://127.0.0.1:{port}/v1/realtime"
         async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
             hello = json.loads(await ws.recv())
             assert hello["type"] == "session.created"
             assert hello["limits"]["model"] == "smol-qwen2-vl"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    # SIGINT drains and exits 0 (realtime/drain.py); it used to re-raise the signal.
-    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""

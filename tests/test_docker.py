@@ -205,7 +205,14 @@ def test_images_install_only_through_setup_sh(dockerfile: tuple[str, list[Instru
     assert not re.search(r"\bpip3?\b|\buv\b", runs), f"{name}: installs outside setup.sh"
     copied = {w.rstrip("/") for c in of(ins, "COPY") for w in shlex.split(c.args)[:-1]}
     # setup.sh installs the package (`pip install -e ".[dev]"`): everything it reads is copied.
-    for needed in ("pyproject.toml", "README.md", "scripts", "protocol", "realtime", "retention"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "scripts",
+        "vllm_realtime_protocol",
+        "realtime",
+        "retention",
+    ):
         assert needed in copied, f"{name}: {needed} is not copied"
 
 

@@ -8,6 +8,7 @@ offender fails, and so does a listed one that has been fixed (delete it from the
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,7 +102,44 @@ def test_training_is_not_in_the_wheel() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     find = text.split("[tool.setuptools.packages.find]", 1)[1].split("\n[", 1)[0]
     include = [line for line in find.splitlines() if line.startswith("include = ")]
-    assert include == ['include = ["protocol*", "retention*", "realtime*"]']
+    # The protocol is not in it either: it is its own distribution, a dependency (below).
+    assert include == ['include = ["retention*", "realtime*"]']
+
+
+def _requirements(pyproject: Path) -> list[str]:
+    """The names in [project] dependencies (read as text: tomllib is 3.11+)."""
+    block = pyproject.read_text().split("\ndependencies = [", 1)[1].split("\n]", 1)[0]
+    lines = [line.split("#", 1)[0].strip().strip(",").strip('"') for line in block.splitlines()]
+    return [re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0] for line in lines if line]
+
+
+def test_the_protocol_is_one_distribution_that_the_server_and_the_sdk_depend_on() -> None:
+    """vllm_realtime_protocol/ is its own project (pydantic only); the server and the SDK
+    require it by name, and no distribution here ships a generic top-level `protocol`."""
+    project = ROOT / "vllm_realtime_protocol" / "pyproject.toml"
+    text = project.read_text()
+    assert 'name = "vllm-realtime-protocol"' in text
+    assert 'packages = ["vllm_realtime_protocol"]' in text
+    assert _requirements(project) == ["pydantic"]
+    for dependent in (ROOT / "pyproject.toml", ROOT / "clients" / "python" / "pyproject.toml"):
+        assert "vllm-realtime-protocol" in _requirements(dependent), dependent
+    assert (
+        'packages = ["vllm_realtime_client"]'
+        in (ROOT / "clients/python/pyproject.toml").read_text()
+    )
+    assert not (ROOT / "protocol").exists() and not (ROOT / "clients/python/protocol").exists()
+    # Pure: its modules import the standard library, pydantic and themselves only.
+    allowed = sys.stdlib_module_names | {
+        "__future__",
+        "pydantic",
+        "pydantic_core",
+        "vllm_realtime_protocol",
+    }
+    outside = {
+        rel: sorted(n for n in _imports(rel, tree) if n.split(".")[0] not in allowed)
+        for rel, tree in _modules("vllm_realtime_protocol")
+    }
+    assert {rel: names for rel, names in outside.items() if names} == {}
 
 
 def test_training_modules_import_each_other_without_a_cycle() -> None:
@@ -147,7 +185,9 @@ def test_the_retention_policy_imports_only_the_standard_library_and_retention() 
 def test_only_the_adapter_and_the_engine_modules_import_vllm() -> None:
     importers = {
         rel
-        for rel, tree in _modules("protocol", "realtime", "retention", "bench", "training")
+        for rel, tree in _modules(
+            "vllm_realtime_protocol", "realtime", "retention", "bench", "training"
+        )
         if any(_under(name, "vllm") for name in _imports(rel, tree))
     }
     outside = {rel for rel in importers if not rel.startswith(VLLM_ALLOWED)}

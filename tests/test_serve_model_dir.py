@@ -10,27 +10,19 @@ sockets, evicts, and a clip (which vLLM does not serve for SmolVLM) is refused c
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import websockets
 
 from realtime.models import build_model
-from tests.realtime.conftest import free_port, jpeg_bytes, open_session, recv_until
+from tests.realtime.conftest import jpeg_bytes, open_session, recv_until
+from tests.tools import served
 
 pytestmark = pytest.mark.slow
-
-BIN = Path(sys.executable).parent / "vllm-realtime"
 
 
 async def test_serve_a_local_smolvlm_checkpoint_with_no_other_flag(tmp_path: Path) -> None:
@@ -40,28 +32,7 @@ async def test_serve_a_local_smolvlm_checkpoint_with_no_other_flag(tmp_path: Pat
     checkpoint = tmp_path / "my-smolvlm"
     shutil.copytree(build_model("tiny-smolvlm"), checkpoint)
     assert registered_chat_format(str(checkpoint)) is None  # not known as an embedded model
-    port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
-    proc = subprocess.Popen(
-        [str(BIN), "serve", "--model", str(checkpoint), "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        async with httpx.AsyncClient() as client:
-            while True:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                try:
-                    r = await client.get(f"http://127.0.0.1:{port}/health")
-                    if r.status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "server did not start"
-                await asyncio.sleep(0.5)
+    async with served("--model", str(checkpoint)) as port:
         url = f"ws://127.0.0.1:{port}/v1/realtime"
         async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
             opened = await open_session(
@@ -109,11 +80,3 @@ async def test_serve_a_local_smolvlm_checkpoint_with_no_other_flag(tmp_path: Pat
             )
             done, _ = await recv_until(ws, "response.done")
             assert done["status"] in ("completed", "incomplete"), done
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""

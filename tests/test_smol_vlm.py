@@ -519,8 +519,8 @@ def test_fidelity_reply_formats_are_valid_session_formats() -> None:
     """`bench.vlm_fidelity --reply-format`: the constrained formats are response_formats the
     protocol accepts, listing the tuned sentences; free text sends none."""
     from bench.vlm_fidelity import frame_prompt, reply_format
-    from protocol import SamplingConfig
     from training.synth_frames import COLOURS
+    from vllm_realtime_protocol import SamplingConfig
 
     assert reply_format("free") == {}
     sentence = SamplingConfig.model_validate(reply_format("sentence")).response_format

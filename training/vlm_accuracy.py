@@ -70,10 +70,10 @@ def prompt_for(
     image: Any, question: str, instructions: str | None = INSTRUCTIONS
 ) -> dict[str, Any]:
     """The server's rendering of a first frame chunk (realtime.engine_session.render_chunk)."""
-    from protocol import SessionConfig
-    from protocol.state import Frame
     from realtime.engine_session import render_chunk
     from realtime.models import DEFAULT_MODELS
+    from vllm_realtime_protocol import SessionConfig
+    from vllm_realtime_protocol.state import Frame
 
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=85)

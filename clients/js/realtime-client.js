@@ -21,7 +21,9 @@
 // Resilient sessions: open with `resumable: { grace_s: N }` and the client resumes the session
 // after a dropped connection (at most `maxRetries` attempts, backoff from `retryBackoffMs`), and
 // after `server.draining` (or a refused resume) it opens a new session with the same settings on
-// a new connection once the current reply is done. Meanwhile offerFrame() drops frames and
+// a new connection once the current reply is done; a `server.draining` with `handover: true` (a
+// server with a shared session store) is resumed instead, context intact, on the replica the
+// reconnect reaches (behind the router: another one). Meanwhile offerFrame() drops frames and
 // appendFrame() rejects with a local `reconnecting`. Events "resumed" and "reopened" tell a UI.
 
 export const PROTOCOL_VERSION = "2026-12-01";
@@ -748,7 +750,10 @@ export class RealtimeClient {
   _onClose(event) {
     const recoverable = this.resilient && !this._userClosing && this.fatal === null && (this.closedEvent === null || this._moving);
     if (recoverable && this.created && this.opened) {
-      this._recover(this._moving);
+      // Drained: a new session, unless the server handed the session over (a session store
+      // keeps it): then it is resumed, on whichever replica the reconnect reaches.
+      const handover = this.draining !== null && this.draining.handover === true;
+      this._recover(this._moving && !handover);
       return;
     }
     this._end(null, event);

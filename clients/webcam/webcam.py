@@ -27,7 +27,12 @@ an ``rtsp://`` / ``http(s)://`` / other ffmpeg URL, or ``testsrc`` / ``lavfi:<gr
 
 Outages: the session is opened resumable (``--resume-grace``), so a network drop resumes the
 same session (the SDK reconnects, at most ``--retries`` times); a server that drains or
-restarts gets a new session. A reply lost with a connection counts as a dropped frame.
+restarts gets a new session, except a drain that hands the session over (``server.draining``
+with ``handover``: replicas sharing a ``--session-store``, ``--url`` pointing at the router):
+the SDK then resumes the same session on another replica, context intact.  That is the SDK's
+own reconnect (this script opens its session through ``vllm_realtime_client.connect`` and adds
+no logic of its own), tested in tests/scale_out/test_drain_handover_clients.py.  A reply lost
+with a connection counts as a dropped frame.
 """
 
 from __future__ import annotations
@@ -500,7 +505,8 @@ async def run(
                 f"webcam: connection dropped; session resumed at frame {event.next_frame_index}\n"
             )
         elif event.type == "server.draining":
-            err.write("webcam: the server is shutting down; moving to a new session\n")
+            where = "resuming on another replica" if event.handover else "moving to a new session"
+            err.write(f"webcam: the server is shutting down; {where}\n")
 
     async def stream_sessions() -> None:
         nonlocal rc, failures

@@ -16,8 +16,8 @@ SDK_DIR = ROOT / "clients" / "python"
 JS_DIR = ROOT / "clients" / "js"
 WEBCAM = ROOT / "clients" / "webcam" / "webcam.py"
 ARTIFACTS = ROOT / "artifacts"
-# Appended, not prepended: `protocol` keeps resolving to the repository's own package (the SDK
-# ships it through a symlink, clients/python/protocol -> ../../protocol).
+# Appended, not prepended: the repository's own packages (vllm_realtime_protocol, which the SDK
+# depends on) keep resolving from the checkout first.
 if str(SDK_DIR) not in sys.path:
     sys.path.append(str(SDK_DIR))
 

@@ -24,7 +24,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 from websockets.typing import Subprotocol
 
-from protocol import (
+from vllm_realtime_protocol import (
     CancelResponse,
     CapacityExceeded,
     CloseSession,

@@ -28,8 +28,8 @@ from vllm_realtime_client import errors as sdk_errors
 from vllm_realtime_client import sync as sdk_sync
 from vllm_realtime_client.errors import SessionAlreadyOpen
 
-from protocol import ERROR_CLASSES, ErrorDetail
 from tests.clients.fake_server import fake_server
+from vllm_realtime_protocol import ERROR_CLASSES, ErrorDetail
 
 FAKE_JPEG = b"\xff\xd8\xff\xe0" + b"x" * 96 + b"\xff\xd9"
 

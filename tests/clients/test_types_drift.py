@@ -1,7 +1,7 @@
-"""The generated wire types stay what protocol/ gives: `make types` regenerates them.
+"""The generated wire types stay what vllm_realtime_protocol/ gives: `make types` regenerates them.
 
 protocol.schema.json is pydantic's JSON Schema of every event; protocol.d.ts is compiled from it
-by npm's json-schema-to-typescript. A change to protocol/ without `make types` fails here, and
+by npm's json-schema-to-typescript. A change to vllm_realtime_protocol/ without `make types` fails here, and
 so does a hand edit of either file.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
-from protocol.schema import render, wire_schema
 from tests.clients.conftest import JS_DIR, need, need_tool
+from vllm_realtime_protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
+from vllm_realtime_protocol.schema import render, wire_schema
 
 SCHEMA_FILE = JS_DIR / "protocol.schema.json"
 TYPES_FILE = JS_DIR / "protocol.d.ts"
@@ -43,7 +43,7 @@ def test_schema_names_every_event_once() -> None:
 
 
 def test_error_codes_are_an_enum_of_the_codes_the_server_sends() -> None:
-    from protocol import ERROR_CLASSES
+    from vllm_realtime_protocol import ERROR_CLASSES
 
     codes = wire_schema()["$defs"]["ErrorCode"]["enum"]
     assert codes == sorted({cls.code for cls in ERROR_CLASSES})

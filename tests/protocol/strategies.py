@@ -7,7 +7,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
+from vllm_realtime_protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
 
 JPEG = b"\xff\xd8\xff\xe0" + b"\x00" * 16
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 16

@@ -1,4 +1,4 @@
-"""Unit tests of protocol.codec (parsing, encoding, payloads) and protocol.auth."""
+"""Unit tests of vllm_realtime_protocol.codec (parsing, encoding, payloads) and vllm_realtime_protocol.auth."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 from strategies import JPEG, MP4, PNG, WEBM, WEBP, b64
 
-from protocol import (
+from vllm_realtime_protocol import (
     FrameAppendEvent,
     FrameTooLarge,
     InvalidEvent,
@@ -25,7 +25,7 @@ from protocol import (
     select_subprotocol,
     sniff_media,
 )
-from protocol.codec import base64_decoded_size
+from vllm_realtime_protocol.codec import base64_decoded_size
 
 
 def test_parse_str_and_bytes() -> None:
@@ -232,8 +232,8 @@ def test_select_subprotocol_never_echoes_the_key() -> None:
     ],
 )
 def test_error_param_names_the_offending_field(raw: str, param: str | None) -> None:
-    from protocol import RealtimeError, parse_client_event
-    from protocol.errors import error_event
+    from vllm_realtime_protocol import RealtimeError, parse_client_event
+    from vllm_realtime_protocol.errors import error_event
 
     with pytest.raises(RealtimeError) as caught:
         parse_client_event(raw)
@@ -242,7 +242,7 @@ def test_error_param_names_the_offending_field(raw: str, param: str | None) -> N
 
 
 def test_error_param_is_a_path_never_a_value() -> None:
-    from protocol import RealtimeError, parse_client_event
+    from vllm_realtime_protocol import RealtimeError, parse_client_event
 
     secret = "s3cr3t-value-" + "x" * 200
     with pytest.raises(RealtimeError) as caught:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import protocol.state
-from protocol import ERROR_CLASSES, parse_client_event, parse_server_event
-from protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
+import vllm_realtime_protocol.state
+from vllm_realtime_protocol import ERROR_CLASSES, parse_client_event, parse_server_event
+from vllm_realtime_protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text(encoding="utf-8")
 JSON_BLOCKS = re.findall(r"```json\n(.*?)```", DOC, flags=re.S)
@@ -52,8 +52,10 @@ def test_error_table_matches_the_code() -> None:
 
 def test_state_diagram_matches_the_module_docstring() -> None:
     in_doc = re.search(r"## Session state.*?```\n(.*?)```", DOC, flags=re.S)
-    assert in_doc is not None and protocol.state.__doc__ is not None
-    in_module = protocol.state.__doc__.split("State diagram::", 1)[1].split("The transitions", 1)[0]
+    assert in_doc is not None and vllm_realtime_protocol.state.__doc__ is not None
+    in_module = vllm_realtime_protocol.state.__doc__.split("State diagram::", 1)[1].split(
+        "The transitions", 1
+    )[0]
     assert textwrap.dedent(in_doc.group(1)).strip() == textwrap.dedent(in_module).strip()
 
 

@@ -1,11 +1,11 @@
-"""Unit tests of protocol.errors: the documented code table, and the wire error event."""
+"""Unit tests of vllm_realtime_protocol.errors: the documented code table, and the wire error event."""
 
 from __future__ import annotations
 
 import pytest
 
-import protocol
-from protocol import (
+import vllm_realtime_protocol
+from vllm_realtime_protocol import (
     ERROR_CLASSES,
     CapacityExceeded,
     ChunkInFlight,
@@ -17,8 +17,8 @@ from protocol import (
     error_event,
     parse_server_event,
 )
-from protocol.constants import MAX_ERROR_MESSAGE_CHARS
-from protocol.errors import truncate
+from vllm_realtime_protocol.constants import MAX_ERROR_MESSAGE_CHARS
+from vllm_realtime_protocol.errors import truncate
 
 # code -> (class name, type, session_survives); must match errors.py's docstring and the docs.
 TABLE: dict[str, tuple[str, str, bool]] = {
@@ -54,7 +54,7 @@ def test_table_covers_every_class_once() -> None:
 def test_class_attributes(cls: type[RealtimeError]) -> None:
     name, type_, survives = TABLE[cls.code]
     assert cls.__name__ == name
-    assert getattr(protocol, name) is cls
+    assert getattr(vllm_realtime_protocol, name) is cls
     assert (cls.type, cls.session_survives) == (type_, survives)
     assert issubclass(cls, RealtimeError)
     assert cls.__doc__
@@ -62,7 +62,7 @@ def test_class_attributes(cls: type[RealtimeError]) -> None:
 
 @pytest.mark.parametrize("cls", ERROR_CLASSES, ids=lambda c: c.code)
 def test_docstring_tree_and_docs_name_every_code(cls: type[RealtimeError]) -> None:
-    import protocol.errors as module
+    import vllm_realtime_protocol.errors as module
 
     assert module.__doc__ is not None
     line = next(ln for ln in module.__doc__.splitlines() if f" {cls.__name__} " in ln)

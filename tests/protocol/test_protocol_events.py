@@ -1,4 +1,4 @@
-"""Unit tests of protocol.events: every event round-trips, inbound events are closed and strict."""
+"""Unit tests of vllm_realtime_protocol.events: every event round-trips, inbound events are closed and strict."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 from strategies import JPEG, b64
 
-from protocol import (
+from vllm_realtime_protocol import (
     CLIENT_EVENT_ADAPTER,
     PROTOCOL_VERSION,
     SERVER_EVENT_ADAPTER,
@@ -49,7 +49,7 @@ from protocol import (
     parse_client_event,
     parse_server_event,
 )
-from protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
+from vllm_realtime_protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
 
 LIMITS = Limits(server_version="0.1.0", model="test-model")
 
@@ -357,7 +357,7 @@ def test_import_is_pure() -> None:
     from pathlib import Path
 
     code = (
-        "import sys, protocol; "
+        "import sys, vllm_realtime_protocol; "
         "print(sorted(m for m in ('asyncio', 'fastapi', 'vllm', 'torch', 'numpy', 'websockets') "
         "if m in sys.modules))"
     )

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import b64, json_values, machine_ops, typed_dicts
 
-from protocol import (
+from vllm_realtime_protocol import (
     CloseSession,
     FrameAppendEvent,
     Limits,

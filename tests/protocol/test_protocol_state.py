@@ -1,4 +1,4 @@
-"""Unit tests of protocol.state: the whole transition table, pair by pair, and the flows."""
+"""Unit tests of vllm_realtime_protocol.state: the whole transition table, pair by pair, and the flows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from strategies import JPEG, MP4, PNG, WEBM, WEBP, b64
 
-from protocol import (
+from vllm_realtime_protocol import (
     AwaitBinary,
     BinaryUnexpected,
     CancelResponse,
@@ -43,7 +43,7 @@ from protocol import (
     UpdateSession,
     Usage,
 )
-from protocol.state import REFUSALS, TRANSITIONS
+from vllm_realtime_protocol.state import REFUSALS, TRANSITIONS
 
 LIMITS = Limits(
     server_version="0.1.0",

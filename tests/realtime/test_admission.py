@@ -15,13 +15,6 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from protocol import (
-    CapacityExceeded,
-    ChunkTooLarge,
-    ContextExceeded,
-    InvalidRequestError,
-    SessionConfig,
-)
 from realtime.admission import (
     DEFAULT_MEDIA_BOUNDS,
     Admission,
@@ -43,6 +36,13 @@ from retention.policy import (
     consolidate,
     needs_consolidation,
     plan_eviction,
+)
+from vllm_realtime_protocol import (
+    CapacityExceeded,
+    ChunkTooLarge,
+    ContextExceeded,
+    InvalidRequestError,
+    SessionConfig,
 )
 
 # Needs no model runner: `make compat` also runs it against every supported vLLM.

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import websockets
 
-from protocol import SessionConfig
 from realtime.compute import ChunkTiming, measure
 from realtime.hub import CALIBRATION_CHUNKS
 from tests.realtime.conftest import (
@@ -29,6 +28,7 @@ from tests.realtime.conftest import (
     recv,
     recv_until,
 )
+from vllm_realtime_protocol import SessionConfig
 
 pytestmark = pytest.mark.slow
 

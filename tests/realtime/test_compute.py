@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol import CapacityExceeded, SessionConfig
 from realtime.admission import Admission, MediaBounds
 from realtime.compute import (
     ChunkCost,
@@ -21,6 +20,7 @@ from realtime.compute import (
     compute_problem,
     measure,
 )
+from vllm_realtime_protocol import CapacityExceeded, SessionConfig
 
 
 def test_a_chunk_cost_is_its_prefill_and_its_reply() -> None:

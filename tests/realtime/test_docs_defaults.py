@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from protocol import new_session_id
 from realtime.config import ServerConfig
 from realtime.media import MAX_CLIP_FRAMES
+from vllm_realtime_protocol import new_session_id
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text(encoding="utf-8")
 EXAMPLES = [json.loads(block) for block in re.findall(r"```json\n(.*?)```", DOC, flags=re.S)]

@@ -14,12 +14,12 @@ import jinja2
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from protocol import Frame, InvalidEvent, SessionConfig
 from realtime.engine_session import render_chunk
 from realtime.hub import SessionHub
 from realtime.models import CHATML, DEFAULT_MODELS, QWEN2_VL_CHATML, registered_chat_format
 from realtime.models.tiny_vlm import CHAT_TEMPLATE as QWEN2_VL_TEMPLATE
 from realtime.prompt_format import ChatFormat, ChatFormatError
+from vllm_realtime_protocol import Frame, InvalidEvent, SessionConfig
 
 
 def legacy_chunk(

@@ -12,7 +12,6 @@ import httpx
 import pytest
 import websockets
 
-from protocol import SessionConfig
 from retention.vllm_adapter.introspect import kv_stats
 from tests.realtime.conftest import (
     BOUNDED_TEXT,
@@ -23,6 +22,7 @@ from tests.realtime.conftest import (
     recv,
     recv_until,
 )
+from vllm_realtime_protocol import SessionConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from protocol import SessionConfig, SessionNotFound
 from realtime.client_secrets import SECRET_PREFIX, ClientSecrets
 from realtime.config import ServerConfig
 from realtime.resumption import ResumeTokens
+from vllm_realtime_protocol import SessionConfig, SessionNotFound
 
 
 def _bits(token: str) -> int:

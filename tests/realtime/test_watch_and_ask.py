@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import websockets
 
-from protocol import Frame, SamplingConfig, SessionConfig
 from realtime.engine_session import EngineSession, chat_format_of, render_chunk
 from realtime.models import model_dir
 from tests.realtime.conftest import SUBPROTOCOLS, jpeg_bytes, open_session, recv, recv_until
+from vllm_realtime_protocol import Frame, SamplingConfig, SessionConfig
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from protocol import (
+from realtime.media import decode_clip, decode_image
+from vllm_realtime_protocol import (
     ERROR_CLASSES,
     AwaitBinary,
     CancelResponse,
@@ -38,8 +39,7 @@ from protocol import (
     parse_client_event,
     parse_server_event,
 )
-from protocol.constants import MAX_ERROR_MESSAGE_CHARS
-from realtime.media import decode_clip, decode_image
+from vllm_realtime_protocol.constants import MAX_ERROR_MESSAGE_CHARS
 
 DOCUMENTED_CODES = frozenset(cls.code for cls in ERROR_CLASSES)
 # What the codec alone may answer.

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import SessionConfig, State, UndecodableFrame
-from protocol.events import CLIENT_EVENT_TYPES
 from realtime.media import MAX_IMAGE_PIXELS, decode_clip
 from tests.reliability import fuzzcore as fc
+from vllm_realtime_protocol import SessionConfig, State, UndecodableFrame
+from vllm_realtime_protocol.events import CLIENT_EVENT_TYPES
 
 CI = settings(
     max_examples=150,

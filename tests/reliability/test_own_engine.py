@@ -28,7 +28,6 @@ import psutil
 import pytest
 import websockets
 
-from protocol import SessionConfig
 from tests.conftest import engine_settings
 from tests.realtime.conftest import RunningServer, _serve, jpeg_bytes
 from tests.reliability.conftest import (
@@ -40,6 +39,7 @@ from tests.reliability.conftest import (
     recv_until,
     wait_quiescent,
 )
+from vllm_realtime_protocol import SessionConfig
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,6 @@ import httpx
 import pytest
 import websockets
 
-from protocol import State
 from tests.realtime.conftest import RunningServer, _serve, jpeg_bytes
 from tests.reliability.conftest import (
     SUBPROTOCOLS,
@@ -25,6 +24,7 @@ from tests.reliability.conftest import (
     recv_until,
     wait_quiescent,
 )
+from vllm_realtime_protocol import State
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,10 @@ import httpx
 import pytest
 import websockets
 
-from protocol import Limits, State, parse_server_event
 from tests.realtime.conftest import RunningServer
 from tests.reliability import fuzzcore as fc
 from tests.reliability.conftest import SUBPROTOCOLS, capture_logs, recv, wait_quiescent
+from vllm_realtime_protocol import Limits, State, parse_server_event
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from protocol import SamplingConfig
 from realtime.engine_session import ChunkFinished, EngineSession
 from retention.vllm_adapter.introspect import kv_stats, retention_state
 from tests.retention.test_text_retention import (
@@ -31,6 +30,7 @@ from tests.retention.test_text_retention import (
     hf_model,  # noqa: F401  (fixture)
     tokenizer,  # noqa: F401  (fixture)
 )
+from vllm_realtime_protocol import SamplingConfig
 
 pytestmark = pytest.mark.slow
 

@@ -293,9 +293,9 @@ async def test_the_servers_clip_chunk_runs_on_the_family(engine: Any, family: Fa
     metadata, which Qwen2.5-VL and Qwen3-VL require) is accepted and answered."""
     from vllm import SamplingParams
 
-    from protocol import Frame, SessionConfig
     from realtime.engine_session import chat_format_of, render_chunk
     from tests.reliability.fuzzcore import _clip
+    from vllm_realtime_protocol import Frame, SessionConfig
 
     clip = _clip("mp4", "mpeg4", frames=3, size=64)
     frame = Frame(0, None, "video", "mp4", clip, None, "what?", None)

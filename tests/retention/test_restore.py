@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from protocol import SamplingConfig
 from realtime.engine_session import ChunkFinished, EngineSession
 from retention.vllm_adapter.introspect import retention_state
 from tests.retention.test_text_retention import chunk_tokens, tokenizer  # noqa: F401
+from vllm_realtime_protocol import SamplingConfig
 
 pytestmark = pytest.mark.slow
 

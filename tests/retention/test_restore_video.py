@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from protocol import Frame, SamplingConfig, SessionConfig
 from realtime.engine_session import ChunkFinished, EngineSession, render_chunk, whole_chunks
 from realtime.hub import storable_frames
 from realtime.media import decode_clip, decode_image
@@ -32,6 +31,7 @@ from realtime.models import registered_chat_format
 from realtime.session_store import MediaKind, held_media
 from retention.vllm_adapter.introspect import retention_state, worker_stats
 from tests.conftest import engine_settings
+from vllm_realtime_protocol import Frame, SamplingConfig, SessionConfig
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from protocol import SessionConfig
 from realtime.session_store import SessionStore, StoredSession, held_media
 from retention.records import SessionSnapshot
+from vllm_realtime_protocol import SessionConfig
 
 GRACE = 30.0
 

@@ -569,6 +569,42 @@ test("resilient: server.draining holds new frames; after the reply a new session
   assert.equal(client.holding, false);
 });
 
+test("resilient: server.draining with handover resumes the session (not a new one)", async () => {
+  const { client, ws } = await resilient();
+  ws.emit({ type: "server.draining", event_id: "e", seconds_left: 20, handover: true });
+  assert.equal(await client.offerFrame(JPEG), null); // held while the session moves
+  ws.emit({ type: "session.closed", event_id: "e", session_id: "sess_r", reason: "server_shutdown", frames_total: 0 });
+  ws.serverClose(1000);
+  const ws2 = await nextSocket(ws);
+  const resume = ws2.lastJson();
+  // The stored session is resumed on whichever replica the reconnect reached: same id, token.
+  assert.equal(resume.type, "session.resume");
+  assert.equal(resume.session_id, "sess_r");
+  const resumed = [];
+  const reopened = [];
+  client.on("resumed", (e) => resumed.push(e.session_id));
+  client.on("reopened", (e) => reopened.push(e.session_id));
+  ws2.emit({
+    type: "session.resumed",
+    event_id: "e",
+    session_id: "sess_r",
+    config: {},
+    limits: LIMITS,
+    next_frame_index: 0,
+    in_flight_frame_index: null,
+    missed_response: null,
+    resume_token: "tok-2",
+    rebuilt: true,
+    reprefilled_tokens: 40,
+  });
+  await tick();
+  assert.deepEqual(resumed, ["sess_r"]);
+  assert.deepEqual(reopened, []);
+  assert.equal(client.generation, 1); // the same session, context intact
+  assert.equal(client.resumes, 1);
+  assert.equal(client.holding, false);
+});
+
 test("resilient: a refused resume (expired) opens a new session instead", async () => {
   const { client, ws } = await resilient();
   ws.serverClose(1006);

@@ -10,31 +10,12 @@ Async first::
         print(done.text, done.timing.total_ms, done.retention.kv_blocks_held)
 
 A blocking wrapper lives in :mod:`vllm_realtime_client.sync`.  Events are the protocol's own
-pydantic models (:mod:`protocol.events`) and errors its own classes (:mod:`protocol.errors`),
+pydantic models (:mod:`vllm_realtime_protocol.events`) and errors its own classes (:mod:`vllm_realtime_protocol.errors`),
 re-exported here; see docs/protocol.md for the wire protocol.
 """
 
 from __future__ import annotations
 
-from protocol.constants import PROTOCOL_VERSION
-from protocol.events import (
-    ErrorEvent,
-    InputAckEvent,
-    Limits,
-    ResponseCreatedEvent,
-    ResponseDoneEvent,
-    ResponseTextDeltaEvent,
-    RetentionConfig,
-    RetentionState,
-    SamplingConfig,
-    ServerEvent,
-    SessionClosedEvent,
-    SessionConfig,
-    SessionCreatedEvent,
-    SessionOpenedEvent,
-    Timing,
-    Usage,
-)
 from vllm_realtime_client.client_secrets import mint_client_secret, mint_client_secret_sync
 from vllm_realtime_client.errors import (
     AuthError,
@@ -64,6 +45,25 @@ from vllm_realtime_client.session import (
     RealtimeSession,
     ResponseStream,
     connect,
+)
+from vllm_realtime_protocol.constants import PROTOCOL_VERSION
+from vllm_realtime_protocol.events import (
+    ErrorEvent,
+    InputAckEvent,
+    Limits,
+    ResponseCreatedEvent,
+    ResponseDoneEvent,
+    ResponseTextDeltaEvent,
+    RetentionConfig,
+    RetentionState,
+    SamplingConfig,
+    ServerEvent,
+    SessionClosedEvent,
+    SessionConfig,
+    SessionCreatedEvent,
+    SessionOpenedEvent,
+    Timing,
+    Usage,
 )
 
 __version__ = "0.1.0"

@@ -15,9 +15,14 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from protocol.codec import parse_server_event
-from protocol.events import ClientSecret, ClientSecretRequest, ErrorEvent, SessionConfig
 from vllm_realtime_client.errors import ConnectError, RealtimeError, error_from_detail
+from vllm_realtime_protocol.codec import parse_server_event
+from vllm_realtime_protocol.events import (
+    ClientSecret,
+    ClientSecretRequest,
+    ErrorEvent,
+    SessionConfig,
+)
 
 PATH = "/v1/realtime/client_secrets"
 
@@ -69,7 +74,7 @@ async def mint_client_secret(
 ) -> ClientSecret:
     """A short-lived secret for a browser.  ``session`` binds it to one session config
     (``session.open`` then opens exactly that); ``expires_in_s`` is capped by the server.
-    A refusal raises the protocol's error (e.g. :class:`~protocol.errors.Unauthorized`)."""
+    A refusal raises the protocol's error (e.g. :class:`~vllm_realtime_protocol.errors.Unauthorized`)."""
     return await asyncio.to_thread(
         mint_client_secret_sync,
         server,

@@ -1,7 +1,7 @@
 """Exceptions raised by the client.
 
 Every ``error`` event the server sends becomes an instance of the protocol's own error class for
-its code (:mod:`protocol.errors`, re-exported here): ``chunk_in_flight`` is
+its code (:mod:`vllm_realtime_protocol.errors`, re-exported here): ``chunk_in_flight`` is
 :class:`ChunkInFlight`, ``context_exceeded`` is :class:`ContextExceeded`, and so on.  Catch a
 branch of the tree to catch a family::
 
@@ -20,7 +20,7 @@ client's ``timeout``; also a :class:`TimeoutError`).
 
 from __future__ import annotations
 
-from protocol.errors import (
+from vllm_realtime_protocol.errors import (
     ERROR_CLASSES,
     AuthError,
     BinaryUnexpected,
@@ -48,7 +48,7 @@ from protocol.errors import (
     UndecodableFrame,
     UnknownEventType,
 )
-from protocol.events import ErrorDetail, ErrorType
+from vllm_realtime_protocol.events import ErrorDetail, ErrorType
 
 __all__ = [
     "AuthError",

@@ -24,7 +24,11 @@ reply in flight then completes from ``session.resumed`` (its ``response.done``, 
 the stream), and a chunk the server never accepted is sent again.  When the server drains
 (``server.draining``) or the session cannot be resumed (expired, the server restarted), it opens
 a new session with the same settings on a new connection: :attr:`RealtimeSession.session_id`
-changes and :attr:`RealtimeSession.generation` counts up.  Calls made meanwhile wait.
+changes and :attr:`RealtimeSession.generation` counts up.  A drain that hands the session over
+(``server.draining`` with ``handover``: replicas sharing a session store) is followed by a
+resume instead, on whichever replica the reconnect reaches (through the router, e.g. with a
+``?session_key=`` of the client's own on the URL): the same session, its context intact.  Calls
+made meanwhile wait.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from websockets.asyncio.client import ClientConnection
@@ -48,9 +52,24 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
 
-from protocol.codec import encode_client_event, parse_server_event, sniff_media
-from protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
-from protocol.events import (
+from vllm_realtime_client.errors import (
+    ChunkInFlight,
+    ConnectError,
+    ConnectionLost,
+    FrameTooLarge,
+    InvalidEvent,
+    RealtimeError,
+    ResponseTimeout,
+    SessionAlreadyOpen,
+    SessionClosed,
+    SessionNotOpen,
+    Unauthorized,
+    UndecodableFrame,
+    error_from_detail,
+)
+from vllm_realtime_protocol.codec import encode_client_event, parse_server_event, sniff_media
+from vllm_realtime_protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
+from vllm_realtime_protocol.events import (
     ChunkLimits,
     ErrorEvent,
     FrameAppendEvent,
@@ -79,21 +98,6 @@ from protocol.events import (
     SessionUpdatedEvent,
     SessionUpdateEvent,
 )
-from vllm_realtime_client.errors import (
-    ChunkInFlight,
-    ConnectError,
-    ConnectionLost,
-    FrameTooLarge,
-    InvalidEvent,
-    RealtimeError,
-    ResponseTimeout,
-    SessionAlreadyOpen,
-    SessionClosed,
-    SessionNotOpen,
-    Unauthorized,
-    UndecodableFrame,
-    error_from_detail,
-)
 
 __all__ = ["AuthMethod", "Connector", "RealtimeSession", "ResponseStream", "connect"]
 
@@ -115,6 +119,22 @@ class _Default(enum.Enum):
 
 _DEFAULT = _Default.TOKEN
 _Timeout: TypeAlias = "float | _Default | None"
+
+if TYPE_CHECKING:  # typing.Unpack is 3.11+; annotations are not evaluated at run time
+    from typing import Unpack
+
+
+class _FrameOptions(TypedDict, total=False):
+    """The keywords of :meth:`RealtimeSession.stream_frame`, once, for the methods that take
+    them all and pass them on (:meth:`RealtimeSession.offer_frame`)."""
+
+    prompt: str | None
+    frame_id: str | None
+    timestamp: float | None
+    binary: bool
+    reply: bool
+    response_format: ResponseFormat | dict[str, Any] | None
+    timeout: _Timeout
 
 
 def _model(cls: type[BaseModel], value: Any) -> Any:
@@ -179,10 +199,10 @@ class ResponseStream:
     """The reply to one chunk as it streams: an async iterator of its text deltas.
 
     The chunk is sent when iteration starts (so nothing is sent if the stream is never
-    iterated).  Iteration yields each :class:`~protocol.events.ResponseTextDeltaEvent` and
+    iterated).  Iteration yields each :class:`~vllm_realtime_protocol.events.ResponseTextDeltaEvent` and
     ends at ``response.done``, which is then in :attr:`done`; it raises the typed error if the
-    chunk was refused (:class:`~protocol.errors.ChunkInFlight`,
-    :class:`~protocol.errors.UndecodableFrame`, …), :class:`ResponseTimeout` if the reply took
+    chunk was refused (:class:`~vllm_realtime_protocol.errors.ChunkInFlight`,
+    :class:`~vllm_realtime_protocol.errors.UndecodableFrame`, …), :class:`ResponseTimeout` if the reply took
     longer than ``timeout`` (the reply is then cancelled), or the session's fatal error.
 
     Leaving the loop early does **not** cancel the reply (call :meth:`RealtimeSession.cancel`);
@@ -400,9 +420,9 @@ class RealtimeSession:
 
         ``config`` gives all settings at once; keyword arguments override its fields
         (``retention`` and ``sampling`` may be dicts, e.g. ``{"window_chunks": 4}``).
-        Raises :class:`~protocol.errors.CapacityExceeded` when the server is full (the
+        Raises :class:`~vllm_realtime_protocol.errors.CapacityExceeded` when the server is full (the
         connection stays usable: call ``open`` again later), or
-        :class:`~protocol.errors.InvalidEvent` for settings the server refuses.
+        :class:`~vllm_realtime_protocol.errors.InvalidEvent` for settings the server refuses.
         """
         self._check_alive()
         if self._opened is not None or self._open_wait is not None:
@@ -458,8 +478,8 @@ class RealtimeSession:
 
         ``binary=True`` (default) sends the bytes as a binary WebSocket message after a
         ``frame.append`` with ``"binary": true``; ``binary=False`` sends base64 inside the JSON.
-        Size and format are checked here first (:class:`~protocol.errors.FrameTooLarge`,
-        :class:`~protocol.errors.UndecodableFrame`), without a round trip.
+        Size and format are checked here first (:class:`~vllm_realtime_protocol.errors.FrameTooLarge`,
+        :class:`~vllm_realtime_protocol.errors.UndecodableFrame`), without a round trip.
         """
         media = sniff_media(data)
         if media is None:
@@ -636,19 +656,14 @@ class RealtimeSession:
     async def offer_frame(
         self,
         data: bytes | Callable[[], bytes | Awaitable[bytes]],
-        *,
-        prompt: str | None = None,
-        frame_id: str | None = None,
-        timestamp: float | None = None,
-        binary: bool = True,
-        reply: bool = True,
-        response_format: ResponseFormat | dict[str, Any] | None = None,
-        timeout: _Timeout = _DEFAULT,
+        **options: Unpack[_FrameOptions],
     ) -> ResponseDoneEvent | None:
         """Send a frame if no chunk is in flight, else drop it and return None: how a live
         source paces itself (the JS client's ``offerFrame``; nothing queues, so latency stays
         one reply).  ``data`` may be a callable, so a frame is only captured or encoded when
-        it will be sent.  Drops are counted in :attr:`dropped`."""
+        it will be sent.  Drops are counted in :attr:`dropped`.  The keywords are
+        :meth:`stream_frame`'s (``prompt``, ``frame_id``, ``timestamp``, ``binary``,
+        ``reply``, ``response_format``, ``timeout``)."""
         if self.busy or not self._ready.is_set():
             self.dropped += 1
             return None
@@ -658,17 +673,7 @@ class RealtimeSession:
         if self.busy or not self._ready.is_set():  # taken while the frame was being made
             self.dropped += 1
             return None
-        stream = self.stream_frame(
-            payload,
-            prompt=prompt,
-            frame_id=frame_id,
-            timestamp=timestamp,
-            binary=binary,
-            reply=reply,
-            response_format=response_format,
-            timeout=timeout,
-        )
-        return await stream.result()
+        return await self.stream_frame(payload, **options).result()
 
     async def stream_video(
         self,
@@ -1384,7 +1389,7 @@ def connect(
 
     :param url: the WebSocket endpoint, e.g. ``ws://127.0.0.1:8000/v1/realtime``.
     :param api_key: the server's API key, if it has one.  A wrong key raises
-        :class:`~protocol.errors.Unauthorized`.
+        :class:`~vllm_realtime_protocol.errors.Unauthorized`.
     :param auth: ``"header"`` sends ``Authorization: Bearer``; ``"subprotocol"`` sends the
         ``vllm-realtime.auth.<key>`` subprotocol (what browsers must do).
     :param config: if given, the session is opened with it before ``connect`` returns

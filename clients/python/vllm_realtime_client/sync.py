@@ -24,7 +24,9 @@ from collections.abc import Callable, Coroutine, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from protocol.events import (
+from vllm_realtime_client.session import AuthMethod, RealtimeSession, ResponseStream
+from vllm_realtime_client.session import connect as async_connect
+from vllm_realtime_protocol.events import (
     InputAckEvent,
     Limits,
     ResponseDoneEvent,
@@ -33,8 +35,6 @@ from protocol.events import (
     SessionClosedEvent,
     SessionConfig,
 )
-from vllm_realtime_client.session import AuthMethod, RealtimeSession, ResponseStream
-from vllm_realtime_client.session import connect as async_connect
 
 __all__ = ["SyncResponseStream", "SyncSession", "connect"]
 

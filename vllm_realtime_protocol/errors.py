@@ -45,8 +45,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from protocol.constants import MAX_ERROR_MESSAGE_CHARS, MAX_PARAM_CHARS
-from protocol.events import ErrorDetail, ErrorEvent, ErrorType
+from vllm_realtime_protocol.constants import MAX_ERROR_MESSAGE_CHARS, MAX_PARAM_CHARS
+from vllm_realtime_protocol.events import ErrorDetail, ErrorEvent, ErrorType
 
 __all__ = [
     "ERROR_CLASSES",

@@ -12,7 +12,7 @@ Server events always carry one, generated as ``evt_`` + 24 hex characters.
 
 ``ClientEvent`` and ``ServerEvent`` are discriminated unions (on ``type``) and
 ``CLIENT_EVENT_ADAPTER`` / ``SERVER_EVENT_ADAPTER`` validate them; the codec
-(:mod:`protocol.codec`) is the intended entry point for wire bytes.
+(:mod:`vllm_realtime_protocol.codec`) is the intended entry point for wire bytes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Annotated, Literal, TypeAlias
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from pydantic_core import PydanticCustomError
 
-from protocol.constants import (
+from vllm_realtime_protocol.constants import (
     DEFAULT_MAX_EVENT_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     MAX_EVENT_ID_CHARS,
@@ -112,7 +112,7 @@ class _Inbound(BaseModel):
     """Base of everything a client sends: strict, closed, immutable."""
 
     # Echoed back with every default filled in (session.opened's config): the generated schema
-    # describes that echo as "Effective<Model>" with every field present (protocol/schema.py).
+    # describes that echo as "Effective<Model>" with every field present (vllm_realtime_protocol/schema.py).
     model_config = ConfigDict(
         extra="forbid", strict=True, frozen=True, json_schema_serialization_defaults_required=True
     )
@@ -122,7 +122,7 @@ class _Outbound(BaseModel):
     """Base of everything the server sends: unknown fields ignored, immutable."""
 
     # Every field is on the wire when the server sends it, defaults included: the generated
-    # schema (protocol/schema.py) and the TypeScript types from it say so.
+    # schema (vllm_realtime_protocol/schema.py) and the TypeScript types from it say so.
     model_config = ConfigDict(
         extra="ignore", frozen=True, json_schema_serialization_defaults_required=True
     )

@@ -32,7 +32,7 @@ The server feeds it every input (parsed client events, binary messages, and
 its own happenings: reply finished, engine error, disconnect, idle timeout,
 shutdown) and does what the returned :data:`Action` says; an input the
 current state refuses raises the documented
-:class:`~protocol.errors.RealtimeError` and leaves the state unchanged (the
+:class:`~vllm_realtime_protocol.errors.RealtimeError` and leaves the state unchanged (the
 one exception: a binary payload that fails its checks still consumes the
 pending announcement, so the state returns to ``IDLE``).
 
@@ -80,8 +80,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
-from protocol.codec import MediaFormat, decode_base64_payload, sniff_media
-from protocol.errors import (
+from vllm_realtime_protocol.codec import MediaFormat, decode_base64_payload, sniff_media
+from vllm_realtime_protocol.errors import (
     BinaryUnexpected,
     ChunkInFlight,
     FrameTooLarge,
@@ -96,7 +96,7 @@ from protocol.errors import (
     UndecodableFrame,
     truncate,
 )
-from protocol.events import (
+from vllm_realtime_protocol.events import (
     FIXED_SETTINGS,
     ClientEvent,
     CloseReason,

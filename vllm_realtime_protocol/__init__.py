@@ -5,13 +5,13 @@ Pure: imports only the standard library and pydantic.  See docs/protocol.md.
 
 from __future__ import annotations
 
-from protocol.auth import (
+from vllm_realtime_protocol.auth import (
     api_key_from_handshake,
     bearer_token,
     key_from_subprotocols,
     select_subprotocol,
 )
-from protocol.codec import (
+from vllm_realtime_protocol.codec import (
     MediaFormat,
     decode_base64_payload,
     encode_client_event,
@@ -20,14 +20,14 @@ from protocol.codec import (
     parse_server_event,
     sniff_media,
 )
-from protocol.constants import (
+from vllm_realtime_protocol.constants import (
     AUTH_SUBPROTOCOL_PREFIX,
     DEFAULT_MAX_EVENT_BYTES,
     DEFAULT_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     SUBPROTOCOL,
 )
-from protocol.errors import (
+from vllm_realtime_protocol.errors import (
     ERROR_CLASSES,
     AuthError,
     BinaryUnexpected,
@@ -57,7 +57,7 @@ from protocol.errors import (
     UnknownEventType,
     error_event,
 )
-from protocol.events import (
+from vllm_realtime_protocol.events import (
     CLIENT_EVENT_ADAPTER,
     SERVER_EVENT_ADAPTER,
     ChunkLimits,
@@ -105,7 +105,7 @@ from protocol.events import (
     new_event_id,
     new_session_id,
 )
-from protocol.state import (
+from vllm_realtime_protocol.state import (
     Action,
     AwaitBinary,
     CancelResponse,

@@ -1,7 +1,7 @@
 """Bytes ⇄ events: parse client messages, encode server events, decode frame payloads.
 
 ``parse_client_event`` is the one door wire input comes through, and it
-raises nothing but :class:`~protocol.errors.RealtimeError` subclasses:
+raises nothing but :class:`~vllm_realtime_protocol.errors.RealtimeError` subclasses:
 
 * ``frame_too_large``    – the message is over ``max_bytes`` UTF-8 bytes (checked first);
 * ``invalid_json``       – not UTF-8, not strict JSON (``NaN``/``Infinity`` refused),
@@ -27,8 +27,8 @@ from typing import Literal, NoReturn, TypeAlias
 
 from pydantic import ValidationError
 
-from protocol.constants import DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_ID_CHARS
-from protocol.errors import (
+from vllm_realtime_protocol.constants import DEFAULT_MAX_EVENT_BYTES, MAX_EVENT_ID_CHARS
+from vllm_realtime_protocol.errors import (
     FrameTooLarge,
     InvalidEvent,
     InvalidJson,
@@ -36,7 +36,7 @@ from protocol.errors import (
     UnknownEventType,
     truncate,
 )
-from protocol.events import (
+from vllm_realtime_protocol.events import (
     CLIENT_EVENT_TYPES,
     SERVER_EVENT_ADAPTER,
     SERVER_EVENT_TYPES,

@@ -1,6 +1,6 @@
 """The wire protocol as one JSON Schema document: the source of every generated type.
 
-``python -m protocol.schema`` prints it; ``make types`` writes it to
+``python -m vllm_realtime_protocol.schema`` prints it; ``make types`` writes it to
 ``clients/js/protocol.schema.json`` and compiles it to ``clients/js/protocol.d.ts`` (npm's
 ``json-schema-to-typescript``). ``tests/clients/test_types_drift.py`` fails when either file
 differs from what the code gives, so nobody edits generated types by hand.
@@ -17,9 +17,9 @@ from typing import Any, Final
 from pydantic import TypeAdapter
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaMode
 
-from protocol.constants import PROTOCOL_VERSION
-from protocol.errors import ERROR_CLASSES
-from protocol.events import (
+from vllm_realtime_protocol.constants import PROTOCOL_VERSION
+from vllm_realtime_protocol.errors import ERROR_CLASSES
+from vllm_realtime_protocol.events import (
     CLIENT_EVENT_ADAPTER,
     SERVER_EVENT_ADAPTER,
     ClientSecret,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
+from vllm_realtime_protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
 
 __all__ = [
     "api_key_from_handshake",
