@@ -13,30 +13,22 @@ second the open sessions ask for. A session is admitted only while
 names the compute term, and the sessions already admitted keep their latency.
 
 The cost of a chunk is measured as the server runs, per chunk kind ("frame": an image or clip;
-"text": a text turn), from every answered chunk's own timings (`ChunkTiming`):
+"text": a text turn), from the replies' own timings (`ChunkTiming`):
 
-* prefill = the chunk's share of the engine until its first token, less the same share of one
-  inter-token step (what the chunk adds to the step that prefills it: processor, encoder,
-  prompt tokens);
+* prefill = time to first token − one inter-token step (what the chunk adds to the step that
+  prefills it: processor, encoder, prompt tokens);
 * per reply token = the prefill's cost per prompt token, at most one inter-token step.
 
 Decode steps are shared by every session decoding at once, so a whole step is not the marginal
 cost of a reply token; the prompt's per-token cost is (the same matmuls per token), and is an
 upper bound on a video frame's (its prompt tokens include the vision encoder's work).
 
-Under load a chunk's time to first token is mostly other chunks' work: it waits behind their
-steps and is prefilled in a step beside theirs. Its share (`PrefillClock`) divides the time
-between its submission and its first token among the chunks waiting for a first token at each
-moment (processor sharing): two frames prefilled in one step are charged half of it each, and
-the decode step they waited behind is removed in the same proportion (a chunk's own
-inter-token step measures the steps of the load it ran in). A chunk whose first token came no
-later than one of its steps is no sample (on a loaded machine such noise made the median
-prefill zero, and admission let everyone in). Alone, the share is its time to
-first token, the measure of a chunk that ran alone. So every chunk is a sample, and the cost
-follows both the machine (other tenants) and the server's own load; the shares of chunks that
-overlap sum to the time they overlapped, never more. Each kind keeps the median of its last
-`window` samples. The server measures a few chunks of each kind at start-up, before it admits
-anyone; a session that finds no other open is always admitted.
+Only chunks that had the engine to themselves are measured (no other chunk in flight from
+their start to their end): under load a chunk's time to first token is mostly queueing behind
+other chunks, which is latency, not cost. Each kind keeps the median of its last `window`
+samples, so a machine that gets slower or faster (other tenants) is followed within a few
+seconds of chunks alone. The server measures a few chunks of each kind at start-up, before it
+admits anyone; a session that finds no other open is always admitted (its chunks measure again).
 """
 
 from __future__ import annotations
@@ -49,10 +41,12 @@ from typing import Literal
 
 ChunkKind = Literal["frame", "text"]
 
-DEFAULT_HEADROOM = 0.6
-"""Share of the engine's time admission fills. At load ρ a frame takes about solo / (1 − ρ):
-0.6 keeps the median within 2.5× a frame's solo time, the tail within a camera's second on
-the 2-core reference machine (docs/benchmarks.md, "Camera capacity")."""
+DEFAULT_HEADROOM = 0.5
+"""Share of the engine's time admission fills. At load ρ a frame takes about solo / (1 − ρ),
+and more in practice: on the quiet 2-core reference machine, sessions admitted up to 0.6 (13
+of 20 cameras) took 2.7× a frame's solo time (p50 898 ms against 332 ms) and only 89% of
+their offered frames were answered within the second; 10 sessions answered all of theirs with
+a p99 of 861 ms. 0.5 stays below that knee (docs/benchmarks.md, "Camera capacity")."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +57,6 @@ class ChunkTiming:
     total_ms: float
     prompt_tokens: int
     completion_tokens: int
-    prefill_share_ms: float | None = None
-    """Its share of the engine until its first token (`PrefillClock`); None: its ttft_ms (a
-    chunk that ran alone)."""
 
 
 @dataclass(frozen=True)
@@ -83,62 +74,20 @@ class ChunkCost:
 
 def measure(timing: ChunkTiming) -> ChunkCost | None:
     """The cost one chunk shows, or None when its timings cannot separate prefill from reply
-    (a reply of one token has no inter-token step; a first token no later than one step)."""
+    (a reply of one token has no inter-token step)."""
     if timing.completion_tokens < 2 or timing.prompt_tokens < 1:
         return None
     step = (timing.total_ms - timing.ttft_ms) / (timing.completion_tokens - 1)
     if step <= 0:
         return None
-    if timing.ttft_ms <= step:
-        # Its first token came no later than its own steps: the machine's noise (or a step it
-        # did not wait behind), not a prefill that can be told apart.
-        return None
-    share = timing.ttft_ms
-    if timing.prefill_share_ms is not None:
-        share = min(timing.prefill_share_ms, share)
-    # The step it waited behind is shared as the rest of its wait was: alone, ttft - step; one
-    # of k chunks prefilled together, (ttft - step) / k. Subtracting a whole step from a
-    # k-th share would charge k chunks k steps, and their cost would fall to zero under load.
-    prefill = share * (1.0 - step / timing.ttft_ms)
+    prefill = max(timing.ttft_ms - step, 0.0)
     per_token = min(prefill / timing.prompt_tokens, step)
     return ChunkCost(prefill_ms=prefill, per_token_ms=per_token)
 
 
 @dataclass
-class PrefillClock:
-    """Processor sharing among the chunks waiting for their first token.
-
-    `clock` advances by dt / n over every interval in which n chunks wait, so a chunk's share
-    is the clock's advance between its `enter` and its `leave`: the shares of chunks that
-    waited together sum to the time they waited, and a chunk that waited alone gets all of
-    it. Times are the caller's (seconds, monotonic); no I/O."""
-
-    def __init__(self) -> None:
-        self.waiting = 0
-        self._clock = 0.0
-        self._last: float | None = None
-
-    def _advance(self, now: float) -> None:
-        if self.waiting > 0 and self._last is not None:
-            self._clock += max(now - self._last, 0.0) / self.waiting
-        self._last = now
-
-    def enter(self, now: float) -> float:
-        """A chunk was submitted; returns its mark."""
-        self._advance(now)
-        self.waiting += 1
-        return self._clock
-
-    def leave(self, mark: float, now: float) -> float:
-        """The chunk with `mark` got its first token (or ended): its share, seconds."""
-        self._advance(now)
-        self.waiting = max(self.waiting - 1, 0)
-        return self._clock - mark
-
-
-@dataclass
 class CostModel:
-    """Measured costs per chunk kind: the median of the last `window` chunks.
+    """Measured costs per chunk kind: the median of the last `window` uncontended chunks.
 
     `pinned` costs (an operator's, or a test's) are used as they are and never measured."""
 

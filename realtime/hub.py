@@ -8,10 +8,10 @@ when the reservations would pass the engine's pool. Chunks are held to the sizes
 assumed: text is tokenized and capped (`limits.max_chunk_tokens`), frames are capped by the
 model's processor.
 
-Admission by compute (realtime/compute.py): every answered chunk is measured (prefill, from its
-share of the engine until its first token, and per reply token), per kind; a session is
-admitted only while the open sessions' declared paces (`limits.frames_per_s`) times those
-costs fit a headroom of the engine's time. A few chunks of each kind are measured at start-up, before anyone is admitted.
+Admission by compute (realtime/compute.py): every answered chunk that had the engine to itself
+is measured (prefill, per reply token), per kind; a session is admitted only while the open
+sessions' declared paces (`limits.frames_per_s`) times those costs fit a headroom of the
+engine's time. A few chunks of each kind are measured at start-up, before anyone is admitted.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from realtime import __version__
 from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_or_default
-from realtime.compute import ChunkCost, ChunkKind, ChunkTiming, CostModel, PrefillClock
+from realtime.compute import ChunkCost, ChunkKind, ChunkTiming, CostModel
 from realtime.config import ServerConfig
 from realtime.engine_session import (
     ChunkDelta,
@@ -219,9 +219,10 @@ class SessionHub:
         if config.chunk_cost_ms is not None:
             pinned = {k: ChunkCost(config.chunk_cost_ms, 0.0) for k in ("frame", "text")}
         self.costs = CostModel(pinned=pinned)
-        # Every chunk's share of the engine until its first token (realtime/compute.py): its
-        # time to first token under load is mostly other chunks' work.
-        self.prefill_clock = PrefillClock()
+        # Chunks in the engine now, and how many ever started: a chunk is measured only if no
+        # other one ran beside it (its time to first token is then its own, not a queue's).
+        self._in_flight = 0
+        self._turns_started = 0
         # The shared session store (`serve --session-store`), connected by start().
         self.store: SessionStore | None = None
         # The model's placeholder token per frame kind, where a video session can be stored
@@ -650,29 +651,27 @@ class SessionHub:
         *,
         measure: bool = True,
     ) -> AsyncIterator[ChunkDelta | ChunkFinished]:
-        """`es.run_chunk`, and the chunk's cost into `self.costs`: its share of the engine
-        until its first token (`self.prefill_clock`), whatever else ran beside it."""
-        mark: float | None = self.prefill_clock.enter(time.perf_counter())
-        share_s = 0.0
+        """`es.run_chunk`, and the chunk's cost into `self.costs` if it ran alone."""
+        alone = self._in_flight == 0
+        self._in_flight += 1
+        self._turns_started += 1
+        started_as = self._turns_started
         try:
             async for item in es.run_chunk(prompt, params, reply=frame.reply):
-                if mark is not None:  # the first output: this chunk's prefill is done
-                    share_s = self.prefill_clock.leave(mark, time.perf_counter())
-                    mark = None
-                if isinstance(item, ChunkFinished) and measure and item.ttft_ms is not None:
-                    kind: ChunkKind = "text" if frame.kind == "text" else "frame"
-                    timing = ChunkTiming(
-                        ttft_ms=item.ttft_ms,
-                        total_ms=item.total_ms,
-                        prompt_tokens=item.prompt_tokens,
-                        completion_tokens=item.completion_tokens,
-                        prefill_share_ms=share_s * 1e3,
-                    )
-                    self.costs.observe(kind, timing)
+                if isinstance(item, ChunkFinished):
+                    alone = alone and self._turns_started == started_as
+                    if measure and alone and item.ttft_ms is not None:
+                        kind: ChunkKind = "text" if frame.kind == "text" else "frame"
+                        timing = ChunkTiming(
+                            ttft_ms=item.ttft_ms,
+                            total_ms=item.total_ms,
+                            prompt_tokens=item.prompt_tokens,
+                            completion_tokens=item.completion_tokens,
+                        )
+                        self.costs.observe(kind, timing)
                 yield item
         finally:
-            if mark is not None:
-                self.prefill_clock.leave(mark, time.perf_counter())
+            self._in_flight -= 1
 
     def reply_close_tokens(self) -> int:
         """Tokens of the turn close a chunk after an answered one starts with."""

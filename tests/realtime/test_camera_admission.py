@@ -8,7 +8,6 @@ and the decision itself is tested in test_compute.py; here, that the server appl
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
@@ -17,7 +16,6 @@ from typing import Any
 import pytest
 import websockets
 
-from realtime.compute import ChunkTiming, measure
 from realtime.hub import CALIBRATION_CHUNKS
 from tests.realtime.conftest import (
     SUBPROTOCOLS,
@@ -139,46 +137,18 @@ async def test_compute_admission_refuses_past_the_engine_time(
             await ws.close()
 
 
-def sample(done: dict[str, Any]) -> bool:
-    """Whether a reply's timings (response.done's, the ones the server measures) make a cost
-    sample: two tokens or more, the first later than one step (realtime.compute.measure)."""
-    timing, usage = done["timing"], done["usage"]
-    if timing["ttft_ms"] is None:
-        return False
-    chunk = ChunkTiming(
-        timing["ttft_ms"], timing["total_ms"], usage["prompt_tokens"], usage["completion_tokens"]
-    )
-    return measure(chunk) is not None
-
-
 async def test_the_server_measures_chunk_costs_as_it_runs(vlm_engine: object) -> None:
     async for srv in _serve(vlm_engine, None, max_sessions=4, compute_headroom=0.6):
         costs = srv.hub.costs
         # Measured at start-up, before any session: both kinds, each a few chunks.
-        # (a chunk whose first token came no later than one of its steps is no sample)
-        for kind in ("frame", "text"):
-            assert 0 < costs.samples(kind) <= CALIBRATION_CHUNKS, kind
+        assert costs.samples("frame") == costs.samples("text") == CALIBRATION_CHUNKS
         frame = costs.cost("frame")
         assert frame is not None and frame.prefill_ms > 0
-        calibrated = costs.samples("frame")
         async with websockets.connect(srv.url, subprotocols=SUBPROTOCOLS) as ws:
             await open_session(ws, retention={"window_chunks": 2}, sampling={"max_tokens": 8})
             measurable = 0
             for seed in range(3):
                 done = await answered(ws, image_event(seed))
-                measurable += sample(done)
-            # Every chunk whose timings separate a prefill is measured.
-            assert costs.samples("frame") == calibrated + measurable
-            # Under load too: two sessions' frames in flight together are both measured
-            # (each charged its share of the engine until its first token).
-            async with websockets.connect(srv.url, subprotocols=SUBPROTOCOLS) as other:
-                await open_session(
-                    other, retention={"window_chunks": 2}, sampling={"max_tokens": 8}
-                )
-                before = costs.samples("frame")
-                both = await asyncio.gather(
-                    answered(ws, image_event(7)), answered(other, image_event(8))
-                )
-                measurable = sum(sample(d) for d in both)
-                assert costs.samples("frame") == min(before + measurable, costs.window)
-                assert srv.hub.prefill_clock.waiting == 0
+                measurable += done["usage"]["completion_tokens"] >= 2
+            # Every chunk that had the engine to itself and two tokens or more is measured.
+            assert costs.samples("frame") == CALIBRATION_CHUNKS + measurable
