@@ -158,32 +158,10 @@ def http_router(
     async def http_open(request: Request) -> JSONResponse:
         if (denied := require_key(request)) is not None:
             return denied
-        hub = hub_of(request)
         try:
-            raw = await read_body(request, hub.limits().max_event_bytes)
-            try:
-                session_config = (
-                    SessionConfig.model_validate_json(raw) if raw.strip() else SessionConfig()
-                )
-            except ValueError as exc:
-                raise InvalidEvent(f"session config: {str(exc)[:300]}") from None
-            lifecycle.check_admitting()
-            proto = hub.new_protocol()
-            # dict(model), not model_dump(exclude_none=True): dropping nulls turned an explicit
-            # `retention.window_chunks: null` ("no cap") back into the default 8.
-            action = proto.receive_client_event(SessionOpenEvent(**dict(session_config)))
-            assert isinstance(action, OpenSession)
-            if action.config.resumable is not None:
-                raise InvalidEvent(
-                    "session config: resumable is for WebSocket sessions (an HTTP session "
-                    "outlives its requests anyway)"
-                )
-            hub.ensure_text_or_video(action.config)
-            record = await hub.open_session(proto, action.config, http_key(request), "http")
+            return await _opened(request, hub_of(request), lifecycle)
         except RealtimeError as exc:
             return error_response(exc, status_for(exc))
-        opened = action.event.model_copy(update={"reservation": hub.reservation(record)})
-        return JSONResponse(opened.model_dump(mode="json"))
 
     @router.post("/v1/streaming/sessions/{session_id}/frame", **_FRAME_DOC)
     async def http_frame(
@@ -229,6 +207,30 @@ def http_router(
         return JSONResponse(closed.model_dump(mode="json"))
 
     return router
+
+
+async def _opened(request: Request, hub: SessionHub, lifecycle: Lifecycle) -> JSONResponse:
+    """session.open over HTTP: the session.opened body; a refusal raises RealtimeError."""
+    raw = await read_body(request, hub.limits().max_event_bytes)
+    try:
+        session_config = SessionConfig.model_validate_json(raw) if raw.strip() else SessionConfig()
+    except ValueError as exc:
+        raise InvalidEvent(f"session config: {str(exc)[:300]}") from None
+    lifecycle.check_admitting()
+    proto = hub.new_protocol()
+    # dict(model), not model_dump(exclude_none=True): dropping nulls turned an explicit
+    # `retention.window_chunks: null` ("no cap") back into the default 8.
+    action = proto.receive_client_event(SessionOpenEvent(**dict(session_config)))
+    assert isinstance(action, OpenSession)
+    if action.config.resumable is not None:
+        raise InvalidEvent(
+            "session config: resumable is for WebSocket sessions (an HTTP session "
+            "outlives its requests anyway)"
+        )
+    hub.ensure_text_or_video(action.config)
+    record = await hub.open_session(proto, action.config, http_key(request), "http")
+    opened = action.event.model_copy(update={"reservation": hub.reservation(record)})
+    return JSONResponse(opened.model_dump(mode="json"))
 
 
 async def _submitted_frame(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -34,31 +35,58 @@ def _unpermute(w, n_heads: int):  # type: ignore[no-untyped-def]
     )
 
 
+_GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+}
+_GGUF_LAYER_TO_HF = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
 def build_smollm2(out: Path) -> None:
     import gguf
-    import numpy as np
-    import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     path = gguf_path()
     reader = gguf.GGUFReader(str(path))
+    config = _llama_config(reader)
+    tensors = _hf_tensors(reader, config["num_attention_heads"], config["num_key_value_heads"])
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    )
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out))
 
-    def field(key: str):  # type: ignore[no-untyped-def]
+
+def _llama_config(reader: Any) -> dict[str, Any]:
+    """The HF LlamaConfig of the GGUF's metadata."""
+
+    def field(key: str) -> Any:
         return reader.fields[key].contents()
 
-    n_layers = int(field("llama.block_count"))
     n_heads = int(field("llama.attention.head_count"))
-    n_kv = int(field("llama.attention.head_count_kv"))
     hidden = int(field("llama.embedding_length"))
-    config = {
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
         "intermediate_size": int(field("llama.feed_forward_length")),
-        "num_hidden_layers": n_layers,
+        "num_hidden_layers": int(field("llama.block_count")),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv,
+        "num_key_value_heads": int(field("llama.attention.head_count_kv")),
         "head_dim": hidden // n_heads,
         "max_position_embeddings": int(field("llama.context_length")),
         "rms_norm_eps": float(field("llama.attention.layer_norm_rms_epsilon")),
@@ -78,32 +106,25 @@ def build_smollm2(out: Path) -> None:
         "torch_dtype": "float32",
         "dtype": "float32",
     }
-    names = {
-        "token_embd.weight": "model.embed_tokens.weight",
-        "output_norm.weight": "model.norm.weight",
-    }
-    per_layer = {
-        "attn_norm": "input_layernorm",
-        "ffn_norm": "post_attention_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    }
-    tensors: dict[str, torch.Tensor] = {}
+
+
+def _hf_tensors(reader: Any, n_heads: int, n_kv: int) -> dict[str, Any]:
+    """The GGUF's tensors dequantized to float32, under HF Llama names, Q/K unpermuted."""
+    import gguf
+    import numpy as np
+    import torch
+
+    tensors: dict[str, Any] = {}
     for t in reader.tensors:
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         # GGUF shapes are reversed (ne0 first); dequantize returns numpy row-major already.
         arr = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)])
         name = t.name
-        if name in names:
-            hf = names[name]
+        if name in _GGUF_TO_HF:
+            hf = _GGUF_TO_HF[name]
         elif name.startswith("blk."):
             _, idx, kind, suffix = name.split(".", 3)
-            hf = f"model.layers.{idx}.{per_layer[kind]}.{suffix}"
+            hf = f"model.layers.{idx}.{_GGUF_LAYER_TO_HF[kind]}.{suffix}"
             if kind == "attn_q":
                 arr = _unpermute(arr, n_heads)
             elif kind == "attn_k":
@@ -113,11 +134,4 @@ def build_smollm2(out: Path) -> None:
         else:
             raise RuntimeError(f"unexpected GGUF tensor {name}")
         tensors[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    )
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(str(out))
+    return tensors
