@@ -484,13 +484,13 @@ class Client:
 
 
 def start_replica(
-    port: int, logdir: Path, store: str, name: str, modality: str = "text"
+    port: int, logdir: Path, store: str, name: str, flags: list[str] = REPLICA_ARGS
 ) -> subprocess.Popen[bytes]:
     exe = ROOT / ".venv" / "bin" / "vllm-realtime"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "realtime.cli"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(
-        [*cmd, "serve", "--port", str(port), *replica_args(modality), "--session-store", store],
+        [*cmd, "serve", "--port", str(port), *flags, "--session-store", store],
         stdout=(logdir / f"{name}.log").open("wb"),
         stderr=subprocess.STDOUT,
         env=env,
@@ -581,14 +581,14 @@ async def run_client(router: int, client: Client, fps: float, stop: asyncio.Even
 
 
 def drain_and_restart(
-    i: int, procs: list[subprocess.Popen[bytes]], ports: list[int], env: tuple[Path, str, str]
+    i: int, procs: list[subprocess.Popen[bytes]], ports: list[int], env: tuple[Path, str, list[str]]
 ) -> float:
     """SIGTERM replica i, wait for its exit, start it again; seconds until it is healthy."""
-    logdir, store, modality = env
+    logdir, store, flags = env
     started = time.monotonic()
     procs[i].send_signal(signal.SIGTERM)
     procs[i].wait(timeout=120)
-    procs[i] = start_replica(ports[i], logdir, store, f"replica-{i + 1}-restarted", modality)
+    procs[i] = start_replica(ports[i], logdir, store, f"replica-{i + 1}-restarted", flags)
     wait_healthy(ports[i], procs[i], 600)
     return time.monotonic() - started
 
@@ -644,6 +644,13 @@ def rolling_restart(argv: list[str]) -> int:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--fps", type=float, default=1.0)
     parser.add_argument("--modality", choices=("text", "video"), default="text")
+    parser.add_argument(
+        "--compute-headroom",
+        type=float,
+        default=None,
+        help="the replicas' --compute-headroom (default: theirs); while one replica restarts the "
+        "other must admit every session, so give room for all of them",
+    )
     parser.add_argument("--keep-logs", type=Path, default=None, help="copy the logs here")
     args = parser.parse_args(argv)
     nginx = nginx_binary()
@@ -656,15 +663,17 @@ def rolling_restart(argv: list[str]) -> int:
             print("redis-server is not installed (apt-get install redis-server)", file=sys.stderr)
             return 2
         logdir = Path(tmp)
+        flags = replica_args(args.modality)
+        if args.compute_headroom is not None:
+            flags = [*flags, "--compute-headroom", str(args.compute_headroom)]
         procs = [
-            start_replica(p, logdir, store, f"replica-{i + 1}", args.modality)
-            for i, p in enumerate(ports)
+            start_replica(p, logdir, store, f"replica-{i + 1}", flags) for i, p in enumerate(ports)
         ]
         proxy = start_nginx(nginx, logdir, router, ports)
         try:
             for port, proc in zip(ports, procs, strict=True):
                 wait_healthy(port, proc, 600)
-            env = (logdir, store, args.modality)
+            env = (logdir, store, flags)
             clients = asyncio.run(restart_under_load(router, procs, ports, args, env))
         finally:
             proxy.terminate()
