@@ -11,14 +11,17 @@ stored session resumes through the router: back on its owner, then (the owner SI
 rebuilt on the other replica. Exit status 0 when every check held.
 
 A rolling restart under load (`--rolling-restart [--modality text|video] [--sessions 8] [--fps 1]
-[--keep-logs DIR]`, issue #39):
+[--compute-headroom H] [--keep-logs DIR]`, issue #39):
 Starts Debian's redis-server, two `vllm-realtime serve` replicas of the tiny model sharing it
 (`--session-store`), and nginx with docker/nginx/realtime.conf in front. N resumable text
 sessions, each with its own `?session_key=`, send one text turn every 1/fps seconds through the
 router. With `--modality video` the replicas serve the default model (smol-qwen2-vl) and each
 session is a resumable camera session as the web page opens it (window 4, max_tokens 8, one
 image per chunk, its frame rate declared) sending one 224x224 solid-colour JPEG every 1/fps
-seconds. Then replica 1 is drained (SIGTERM), started again, and replica 2 likewise. A session
+seconds. While one replica restarts the other must admit every session (`--compute-headroom`
+is passed to the replicas; their default, 0.5, admits about 5 such sessions at 1 fps on a
+loaded 2-core machine). Then replica 1 is drained (SIGTERM), started again, and replica 2
+likewise. A session
 whose server drains gets `server.draining` with `handover: true`, reconnects through the router
 (the draining replica answers 503, nginx moves on) and resumes with its last token. Reports, per
 session, the turns answered, how often it moved, and its longest gap between two answered turns;
@@ -482,6 +485,13 @@ class Client:
         stamps = self.answered
         return max((b - a for a, b in itertools.pairwise(stamps)), default=0.0)
 
+    def median_gap(self) -> float:
+        """The usual time between two answered turns (a turn plus the pause): the baseline."""
+        import statistics
+
+        gaps = [b - a for a, b in itertools.pairwise(self.answered)]
+        return statistics.median(gaps) if gaps else 0.0
+
 
 def start_replica(
     port: int, logdir: Path, store: str, name: str, flags: list[str] = REPLICA_ARGS
@@ -691,7 +701,8 @@ def rolling_restart(argv: list[str]) -> int:
     for n, c in enumerate(clients):
         print(
             f"session {n + 1}: {len(c.answered)} turns answered, moved {c.moves}x "
-            f"(rebuilt {c.rebuilt}x), longest gap {c.longest_gap():.1f} s"
+            f"(rebuilt {c.rebuilt}x), longest gap {c.longest_gap():.1f} s "
+            f"(median {c.median_gap():.1f} s)"
             + (f", LOST: {c.lost} (refusals: {c.refusals[-6:]})" if c.lost else "")
         )
     lost = sum(c.lost is not None for c in clients)
