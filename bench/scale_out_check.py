@@ -10,16 +10,23 @@ everything it started. With Debian's redis-server the replicas share a session s
 stored session resumes through the router: back on its owner, then (the owner SIGKILLed)
 rebuilt on the other replica. Exit status 0 when every check held.
 
-A rolling restart under load (`--rolling-restart [--sessions 8] [--fps 1] [--keep-logs DIR]`,
-issue #39):
+A rolling restart under load (`--rolling-restart [--modality text|video] [--sessions 8] [--fps 1]
+[--compute-headroom H] [--keep-logs DIR]`, issue #39):
 Starts Debian's redis-server, two `vllm-realtime serve` replicas of the tiny model sharing it
 (`--session-store`), and nginx with docker/nginx/realtime.conf in front. N resumable text
 sessions, each with its own `?session_key=`, send one text turn every 1/fps seconds through the
-router. Then replica 1 is drained (SIGTERM), started again, and replica 2 likewise. A session
+router. With `--modality video` the replicas serve the default model (smol-qwen2-vl) and each
+session is a resumable camera session as the web page opens it (window 4, max_tokens 8, one
+image per chunk, its frame rate declared) sending one 224x224 solid-colour JPEG every 1/fps
+seconds. While one replica restarts the other must admit every session (`--compute-headroom`
+is passed to the replicas; their default, 0.5, admits about 5 such sessions at 1 fps on a
+loaded 2-core machine). Then replica 1 is drained (SIGTERM), started again, and replica 2
+likewise. A session
 whose server drains gets `server.draining` with `handover: true`, reconnects through the router
 (the draining replica answers 503, nginx moves on) and resumes with its last token. Reports, per
 session, the turns answered, how often it moved, and its longest gap between two answered turns;
-exit status 0 when every session survived (no new session, no `session_not_found`).
+the rebuilds the replicas logged, and /proc/loadavg sampled during the run; exit status 0 when
+every session survived (no new session, no `session_not_found`).
 """
 
 from __future__ import annotations
@@ -415,11 +422,57 @@ OPEN = {
 }
 
 
+# The default model, with KV for 8 camera sessions on one replica (the other one drains):
+# each holds about 5 chunks of 64 image tokens plus text and replies, ~450 tokens.
+VIDEO_MODEL_ARGS = ["--model", "smol-qwen2-vl", "--kv-cache-memory-bytes", str(256 << 20)]
+
+
+def replica_args(modality: str) -> list[str]:
+    """REPLICA_ARGS, for video with the default model and a larger KV pool."""
+    if modality == "text":
+        return REPLICA_ARGS
+    flags = dict(zip(REPLICA_ARGS[::2], REPLICA_ARGS[1::2], strict=True))
+    flags.update(zip(VIDEO_MODEL_ARGS[::2], VIDEO_MODEL_ARGS[1::2], strict=True))
+    return [x for pair in flags.items() for x in pair]
+
+
+def open_event(modality: str, fps: float) -> dict[str, Any]:
+    """The session.open of a text session, or of a camera session as the web page sends it."""
+    if modality == "text":
+        return OPEN
+    return {
+        "type": "session.open",
+        "modality": "video",
+        "instructions": "Name the colour you see.",
+        "retention": {"window_chunks": 4},
+        "sampling": {"max_tokens": 8},
+        "resumable": {"grace_s": 30},
+        "limits": {"max_clip_frames": 1, "frames_per_s": fps},
+    }
+
+
+def solid_jpegs(session: int, count: int = 6, size: int = 224) -> list[bytes]:
+    """`count` small solid-colour JPEGs, a different series of colours for each session."""
+    import io
+
+    from PIL import Image
+
+    frames = []
+    for n in range(count):
+        rgb = tuple((37 * session + 89 * n + 60 * c) % 256 for c in range(3))
+        buf = io.BytesIO()
+        Image.new("RGB", (size, size), rgb).save(buf, format="JPEG", quality=85)
+        frames.append(buf.getvalue())
+    return frames
+
+
 @dataclass
 class Client:
     """One live session: its key, token, and what happened to it."""
 
     key: str
+    open: dict[str, Any] = field(default_factory=lambda: OPEN)
+    frames: list[bytes] = field(default_factory=list)  # empty: a text session
     session_id: str = ""
     token: str = ""
     answered: list[float] = field(default_factory=list)
@@ -432,13 +485,22 @@ class Client:
         stamps = self.answered
         return max((b - a for a, b in itertools.pairwise(stamps)), default=0.0)
 
+    def median_gap(self) -> float:
+        """The usual time between two answered turns (a turn plus the pause): the baseline."""
+        import statistics
 
-def start_replica(port: int, logdir: Path, store: str, name: str) -> subprocess.Popen[bytes]:
+        gaps = [b - a for a, b in itertools.pairwise(self.answered)]
+        return statistics.median(gaps) if gaps else 0.0
+
+
+def start_replica(
+    port: int, logdir: Path, store: str, name: str, flags: list[str] = REPLICA_ARGS
+) -> subprocess.Popen[bytes]:
     exe = ROOT / ".venv" / "bin" / "vllm-realtime"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "realtime.cli"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(
-        [*cmd, "serve", "--port", str(port), *REPLICA_ARGS, "--session-store", store],
+        [*cmd, "serve", "--port", str(port), *flags, "--session-store", store],
         stdout=(logdir / f"{name}.log").open("wb"),
         stderr=subprocess.STDOUT,
         env=env,
@@ -461,7 +523,7 @@ async def _attach(url: str, client: Client) -> Any:
             continue
         json.loads(await ws.recv())  # session.created
         if not client.session_id:
-            await ws.send(json.dumps(OPEN))
+            await ws.send(json.dumps(client.open))
         else:
             await ws.send(
                 json.dumps(
@@ -495,7 +557,11 @@ async def run_client(router: int, client: Client, fps: float, stop: asyncio.Even
         n += 1
         moving = False
         try:
-            await ws.send(json.dumps({"type": "frame.append", "text": f"Turn {n}."}))
+            if client.frames:  # one image chunk: its event, then its bytes
+                await ws.send(json.dumps({"type": "frame.append", "binary": True}))
+                await ws.send(client.frames[n % len(client.frames)])
+            else:
+                await ws.send(json.dumps({"type": "frame.append", "text": f"Turn {n}."}))
         except Exception:
             moving = True  # the server closed the session (a drain) while we waited
         while not moving:
@@ -525,13 +591,14 @@ async def run_client(router: int, client: Client, fps: float, stop: asyncio.Even
 
 
 def drain_and_restart(
-    i: int, procs: list[subprocess.Popen[bytes]], ports: list[int], logdir: Path, store: str
+    i: int, procs: list[subprocess.Popen[bytes]], ports: list[int], env: tuple[Path, str, list[str]]
 ) -> float:
     """SIGTERM replica i, wait for its exit, start it again; seconds until it is healthy."""
+    logdir, store, flags = env
     started = time.monotonic()
     procs[i].send_signal(signal.SIGTERM)
     procs[i].wait(timeout=120)
-    procs[i] = start_replica(ports[i], logdir, store, f"replica-{i + 1}-restarted")
+    procs[i] = start_replica(ports[i], logdir, store, f"replica-{i + 1}-restarted", flags)
     wait_healthy(ports[i], procs[i], 600)
     return time.monotonic() - started
 
@@ -539,18 +606,46 @@ def drain_and_restart(
 async def restart_under_load(
     router: int, procs: list[subprocess.Popen[bytes]], ports: list[int], args: Any, env: Any
 ) -> list[Client]:
-    logdir, store = env
-    clients = [Client(key=os.urandom(8).hex()) for _ in range(args.sessions)]
+    video = args.modality == "video"
+    clients = [
+        Client(
+            key=os.urandom(8).hex(),
+            open=open_event(args.modality, args.fps),
+            frames=solid_jpegs(n) if video else [],
+        )
+        for n in range(args.sessions)
+    ]
     stop = asyncio.Event()
     tasks = [asyncio.create_task(run_client(router, c, args.fps, stop)) for c in clients]
+    loads = asyncio.create_task(sample_loadavg(stop))
     await asyncio.sleep(10)  # every session has a few turns on its first replica
     for i in range(len(procs)):
-        took = await asyncio.to_thread(drain_and_restart, i, procs, ports, logdir, store)
+        took = await asyncio.to_thread(drain_and_restart, i, procs, ports, env)
         print(f"replica-{i + 1} drained and back in {took:.0f} s", flush=True)
         await asyncio.sleep(10)
     stop.set()
     await asyncio.gather(*tasks)
+    print(f"/proc/loadavg (1-min) during the run, every 10 s: {await loads}")
     return clients
+
+
+async def sample_loadavg(stop: asyncio.Event) -> list[float]:
+    """The 1-minute load average every 10 s until `stop`: how loaded the shared machine was."""
+    samples: list[float] = []
+    while not stop.is_set():
+        samples.append(float(Path("/proc/loadavg").read_text().split()[0]))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 10)
+    return samples
+
+
+def rebuilds_logged(logdir: Path) -> list[str]:
+    """The replicas' `session rebuilt` lines, as `tokens in seconds` per replica log."""
+    found = []
+    for log in sorted(logdir.glob("replica-*.log")):
+        for m in re.finditer(r"session rebuilt id=\S+ tokens=(\d+) in ([\d.]+) s", log.read_text()):
+            found.append(f"{log.stem}: {m[1]} tok {float(m[2]):.2f} s")
+    return found
 
 
 def rolling_restart(argv: list[str]) -> int:
@@ -558,6 +653,14 @@ def rolling_restart(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="a rolling restart under live sessions")
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--fps", type=float, default=1.0)
+    parser.add_argument("--modality", choices=("text", "video"), default="text")
+    parser.add_argument(
+        "--compute-headroom",
+        type=float,
+        default=None,
+        help="the replicas' --compute-headroom (default: theirs); while one replica restarts the "
+        "other must admit every session, so give room for all of them",
+    )
     parser.add_argument("--keep-logs", type=Path, default=None, help="copy the logs here")
     args = parser.parse_args(argv)
     nginx = nginx_binary()
@@ -570,12 +673,18 @@ def rolling_restart(argv: list[str]) -> int:
             print("redis-server is not installed (apt-get install redis-server)", file=sys.stderr)
             return 2
         logdir = Path(tmp)
-        procs = [start_replica(p, logdir, store, f"replica-{i + 1}") for i, p in enumerate(ports)]
+        flags = replica_args(args.modality)
+        if args.compute_headroom is not None:
+            flags = [*flags, "--compute-headroom", str(args.compute_headroom)]
+        procs = [
+            start_replica(p, logdir, store, f"replica-{i + 1}", flags) for i, p in enumerate(ports)
+        ]
         proxy = start_nginx(nginx, logdir, router, ports)
         try:
             for port, proc in zip(ports, procs, strict=True):
                 wait_healthy(port, proc, 600)
-            clients = asyncio.run(restart_under_load(router, procs, ports, args, (logdir, store)))
+            env = (logdir, store, flags)
+            clients = asyncio.run(restart_under_load(router, procs, ports, args, env))
         finally:
             proxy.terminate()
             if args.keep_logs is not None:
@@ -587,10 +696,13 @@ def rolling_restart(argv: list[str]) -> int:
             for proc in procs:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=60)
+        rebuilds = rebuilds_logged(logdir)
+    print(f"rebuilds logged ({len(rebuilds)}): {', '.join(rebuilds)}")
     for n, c in enumerate(clients):
         print(
             f"session {n + 1}: {len(c.answered)} turns answered, moved {c.moves}x "
-            f"(rebuilt {c.rebuilt}x), longest gap {c.longest_gap():.1f} s"
+            f"(rebuilt {c.rebuilt}x), longest gap {c.longest_gap():.1f} s "
+            f"(median {c.median_gap():.1f} s)"
             + (f", LOST: {c.lost} (refusals: {c.refusals[-6:]})" if c.lost else "")
         )
     lost = sum(c.lost is not None for c in clients)
