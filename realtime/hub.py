@@ -364,7 +364,12 @@ class SessionHub:
         config: SessionConfig,
         owner: str | None,
         transport: Literal["websocket", "http"] = "websocket",
+        *,
+        rebuilding: bool = False,
     ) -> SessionRecord:
+        """Admit and open a session. `rebuilding`: one the fleet admitted already, taken over
+        from the store (its replica died or drained): KV and counts still bind, compute does
+        not, since refusing it would lose a session rather than decline a new one."""
         # Ask the engine (a cheap local flag in AsyncLLM), not only the watchdog's last verdict:
         # right after the engine died a session.open must already be refused with engine_error.
         if not await self.check_engine():
@@ -375,7 +380,8 @@ class SessionHub:
         instructions_tokens = self._instructions_tokens(config)
         fp, bounded = self.admit(config, instructions_tokens=instructions_tokens)
         self.admission.check_pool(fp, self.reserved_total(), len(self.sessions))
-        self.admission.check_compute(config, self.open_configs(), self.costs)
+        if not rebuilding:
+            self.admission.check_compute(config, self.open_configs(), self.costs)
         session = EngineSession(
             self.engine,
             protocol.session_id,
@@ -441,7 +447,9 @@ class SessionHub:
             frames_total=stored.frames_total,
             responses=stored.responses,  # type: ignore[arg-type]  # statuses, as written
         )
-        record = await self.open_session(protocol, stored.config, owner, "websocket")
+        record = await self.open_session(
+            protocol, stored.config, owner, "websocket", rebuilding=True
+        )
         tokens = 0
         try:
             if stored.snapshot is not None:

@@ -328,9 +328,21 @@ async def test_a_drain_hands_the_session_over(
     """A rolling restart's step: A (killed above) is started again, then B drains (SIGTERM)
     with a stored session attached; the client is told to resume elsewhere and does."""
     b = pair[1]
-    a2 = start_replica(redis_url, tmp_path, "replica-a2")
+    # A2's compute admits one session only (a pinned 1 s chunk at 1 frame/s, over the 0.5
+    # headroom beside any other): a hand-over is still taken, since the fleet admitted it.
+    a2 = start_replica(
+        redis_url, tmp_path, "replica-a2", [*REPLICA_ARGS, "--chunk-cost-ms", "1000"]
+    )
     pair[0] = a2  # the fixture stops it
     wait_healthy(a2)
+    local, _, _ = await open_session(a2)
+    second = await connect(a2)
+    await second.send(json.dumps(OPEN))
+    refused = await recv_type(second, "session.opened", "error")
+    assert refused["type"] == "error", refused
+    assert refused["error"]["code"] == "capacity_exceeded", refused
+    assert "compute" in refused["error"]["message"], refused
+    await second.close()
     ws, sid, token = await open_session(b)
     await say(ws, FACT)
     b.proc.send_signal(signal.SIGTERM)
@@ -343,4 +355,5 @@ async def test_a_drain_hands_the_session_over(
     assert resumed["type"] == "session.resumed" and resumed["rebuilt"] is True, resumed
     assert "Biscuit" in (await say(new, QUESTION))["text"]
     await close(new)
+    await close(local)
     assert await redis_client.keys("vrt:session:*") == []
