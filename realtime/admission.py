@@ -87,6 +87,9 @@ class Footprint:
     reply: int = 0
 
     def describe(self) -> str:
+        if not (self.sinks or self.window or self.remnants or self.chunk or self.reply):
+            # unbounded_footprint: no parts to add up (a breakdown of zeros read as a bug).
+            return f"the whole context, {self.tokens} tokens: no retention bounds it"
         return (
             f"sinks {self.sinks} + window {self.window} + remnants {self.remnants} + chunk "
             f"{self.chunk} + reply {self.reply} = {self.tokens} tokens"

@@ -19,6 +19,7 @@ from realtime.admission import (
     DEFAULT_MEDIA_BOUNDS,
     Admission,
     ChunkBounds,
+    Footprint,
     MediaBounds,
     blocks_for,
     bounded_footprint,
@@ -486,4 +487,14 @@ def test_the_server_config_sets_the_caps() -> None:
         3,
         True,
         8,
+    )
+
+
+def test_a_whole_context_reservation_says_so_instead_of_a_sum_of_zeros() -> None:
+    assert unbounded_footprint(2048, 32).describe() == (
+        "the whole context, 2048 tokens: no retention bounds it"
+    )
+    bounded = Footprint(tokens=100, blocks=4, sinks=10, window=60, remnants=5, chunk=20, reply=5)
+    assert (
+        bounded.describe() == "sinks 10 + window 60 + remnants 5 + chunk 20 + reply 5 = 100 tokens"
     )
