@@ -9,8 +9,9 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,10 +67,26 @@ def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
+    """The module's redis-server process (a test may stop it) and its URL."""
     proc, url = start_redis(tmp_path_factory.mktemp("redis"))
     try:
-        yield url
+        yield proc, url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_server: tuple[Any, str]) -> str:
+    return redis_server[1]
+
+
+@pytest.fixture
+async def redis_client(redis_url: str) -> AsyncIterator[Any]:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    yield client
+    await client.aclose()

@@ -29,7 +29,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,9 +41,10 @@ from tests.scale_out.test_resume_any_replica import (
     FACT,
     OPEN,
     QUESTION,
-    REPLICA_ARGS,
     ROOT,
     Replica,
+    sessions_on,
+    start_replica,
     wait_healthy,
 )
 from tests.tools import need, need_tool
@@ -57,27 +57,6 @@ SDK_DIR = ROOT / "clients" / "python"
 # own packages keep precedence).
 if str(SDK_DIR) not in sys.path:
     sys.path.append(str(SDK_DIR))
-
-
-def start_replica_on(port: int, redis_url: str, logdir: Path, name: str) -> Replica:
-    """A replica on a given port: the router's config names it, and a restart keeps it."""
-    log = logdir / f"{name}.log"
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "realtime.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "--session-store", redis_url, *REPLICA_ARGS],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,  # its own process group: a stop takes the engine with it
-    )
-    return Replica(port, proc, log)
-
-
-def sessions_on(replica: Replica) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{replica.port}/health", timeout=5) as resp:
-        return int(json.loads(resp.read())["sessions"])
 
 
 class Cluster:
@@ -100,9 +79,8 @@ class Cluster:
         """Wait until the drained replica stopped cleanly, then start it again on its port."""
         assert replica.proc.wait(timeout=120) == 0  # drained and stopped cleanly
         self.restarts += 1
-        again = start_replica_on(
-            replica.port, self.redis_url, self.logdir, f"replica-{replica.port}-{self.restarts}"
-        )
+        name = f"replica-{replica.port}-{self.restarts}"
+        again = start_replica(self.redis_url, self.logdir, name, port=replica.port)
         self.replicas[self.replicas.index(replica)] = again
         wait_healthy(again)
 
@@ -115,7 +93,7 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     logdir = tmp_path_factory.mktemp("handover")
     ports = [free_port(), free_port()]
     replicas = [
-        start_replica_on(port, redis_url, logdir, f"replica-{i}") for i, port in enumerate(ports)
+        start_replica(redis_url, logdir, f"replica-{i}", port=port) for i, port in enumerate(ports)
     ]
     proxy = None
     try:
@@ -131,15 +109,6 @@ def cluster(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 proxy.wait(timeout=10)
         for r in replicas:
             r.stop()
-
-
-@pytest.fixture
-async def redis_client(redis_url: str) -> Any:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 async def test_the_sdk_resumes_a_handed_over_session_on_the_other_replica(

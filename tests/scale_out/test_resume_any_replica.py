@@ -100,9 +100,10 @@ class Replica:
 
 
 def start_replica(
-    redis_url: str, logdir: Path, name: str, args: list[str] | None = None
+    redis_url: str, logdir: Path, name: str, args: list[str] | None = None, port: int = 0
 ) -> Replica:
-    port = free_port()
+    """A replica on `port` (0: a free one; a router's config names a fixed one)."""
+    port = port or free_port()
     log = logdir / f"{name}.log"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "realtime.cli", "serve", "--port", str(port)]
@@ -129,10 +130,12 @@ def wait_healthy(replica: Replica, timeout_s: float = 600) -> None:
     raise TimeoutError(replica.log.read_text()[-3000:])
 
 
-@pytest.fixture(scope="module")
-def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
-    logdir = tmp_path_factory.mktemp("replicas")
-    reps = [start_replica(redis_url, logdir, name) for name in ("replica-a", "replica-b")]
+@contextlib.contextmanager
+def replica_pair(
+    redis_url: str, logdir: Path, names: tuple[str, str], args: list[str] | None = None
+) -> Iterator[list[Replica]]:
+    """Two healthy replicas sharing the store; stopped (with their engines) on the way out."""
+    reps = [start_replica(redis_url, logdir, name, args) for name in names]
     try:
         for r in reps:
             wait_healthy(r)
@@ -142,13 +145,12 @@ def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
             r.stop()
 
 
-@pytest.fixture
-async def redis_client(redis_url: str) -> Any:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
+@pytest.fixture(scope="module")
+def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
+    with replica_pair(
+        redis_url, tmp_path_factory.mktemp("replicas"), ("replica-a", "replica-b")
+    ) as reps:
+        yield reps
 
 
 async def connect(replica: Replica, key: str = "key-a") -> Any:
@@ -170,9 +172,11 @@ async def recv_type(ws: Any, *types: str, timeout: float = 180) -> dict[str, Any
             return event
 
 
-async def open_session(replica: Replica, **extra: Any) -> tuple[Any, str, str]:
+async def open_session(
+    replica: Replica, opening: dict[str, Any] = OPEN, **extra: Any
+) -> tuple[Any, str, str]:
     ws = await connect(replica)
-    await ws.send(json.dumps({**OPEN, **extra}))
+    await ws.send(json.dumps({**opening, **extra}))
     opened = await recv_type(ws, "session.opened", "error")
     assert opened["type"] == "session.opened", opened
     return ws, opened["session_id"], opened["resume_token"]

@@ -32,14 +32,14 @@ import pytest
 import websockets
 
 from tests.retention.test_restore_video import camera_jpeg
-from tests.scale_out.conftest import start_redis
 from tests.scale_out.test_resume_any_replica import (
     Replica,
     close,
-    connect,
     events_until_closed,
     not_found,
+    open_session,
     recv_type,
+    replica_pair,
     resume,
     sessions_on,
     start_replica,
@@ -78,49 +78,14 @@ NARROW = {"sink_chunks": 1, "window_chunks": 2}
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, str]]:
-    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
-    try:
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def redis_url(redis_server: tuple[Any, str]) -> str:
-    return redis_server[1]
-
-
-@pytest.fixture(scope="module")
 def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Replica]]:
     logdir = tmp_path_factory.mktemp("replicas")
-    reps = [start_replica(redis_url, logdir, n, VIDEO_ARGS) for n in ("video-a", "video-b")]
-    try:
-        for r in reps:
-            wait_healthy(r)
+    with replica_pair(redis_url, logdir, ("video-a", "video-b"), VIDEO_ARGS) as reps:
         yield reps
-    finally:
-        for r in reps:
-            r.stop()
-
-
-@pytest.fixture
-async def redis_client(redis_url: str) -> Any:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 async def open_video(replica: Replica, **extra: Any) -> tuple[Any, str, str]:
-    ws = await connect(replica)
-    await ws.send(json.dumps({**OPEN, **extra}))
-    opened = await recv_type(ws, "session.opened", "error")
-    assert opened["type"] == "session.opened", opened
-    return ws, opened["session_id"], opened["resume_token"]
+    return await open_session(replica, OPEN, **extra)
 
 
 async def show(ws: Any, i: int, prompt: str = "What colour?") -> dict[str, Any]:
