@@ -109,11 +109,14 @@ def calibration_frame(kind: ChunkKind, index: int) -> Frame:
     )
 
 
-# Families whose frames are one run of one placeholder token each (images and clips alike), so a
-# rebuild can pass them again from single pads (realtime/engine_session.media_prompt). Qwen3-VL
-# writes a clip's timestamps between its frames' runs, and SmolVLM splits an image into tiles
-# with their own tokens: their video sessions stay resumable on their own replica only.
-_STORABLE_FRAME_FAMILIES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# Families whose video sessions are stored: frames are one run of one placeholder token each
+# (images and clips alike), so a rebuild can pass them again from single pads
+# (realtime/engine_session.media_prompt), and a test rebuilds one (tests/retention/
+# test_restore_video.py, the default model). Qwen2.5-VL has the same layout but scales a clip's
+# temporal positions, and no test rebuilds one yet; Qwen3-VL writes a clip's timestamps between
+# its frames' runs; SmolVLM splits an image into tiles with their own tokens. Their video
+# sessions stay resumable on their own replica only.
+_STORABLE_FRAME_FAMILIES = ("Qwen2VLForConditionalGeneration",)
 
 
 def storable_frames(engine: Any) -> dict[str, int] | None:
