@@ -40,6 +40,7 @@ from retention.policy import (
     CHUNK_KIND_KEY,
     CONSOLIDATE,
     CONTROL_KEY,
+    REPORT_KEY,
     REQUEST_ARGS_KEY,
     RESTORE_KEY,
     SNAPSHOT_KEY,
@@ -357,8 +358,10 @@ class EngineSession:
         self._outputs: AsyncIterator[Any] | None = None
         self._ignore_eos = ignore_eos
         self._sampling_params = _session_params(sampling, ignore_eos=ignore_eos)
+        # Every session, bounded or not, asks for the report: it is what the session holds.
+        self._sampling_params.extra_args = {REPORT_KEY: True}
         if retention is not None:
-            self._sampling_params.extra_args = {REQUEST_ARGS_KEY: retention}
+            self._sampling_params.extra_args[REQUEST_ARGS_KEY] = retention
             if snapshots:
                 self._sampling_params.extra_args[SNAPSHOT_KEY] = True
         self.bounded = retention is not None

@@ -78,6 +78,7 @@ __all__ = [
     "CHUNK_KIND_KEY",
     "CONSOLIDATE",
     "CONTROL_KEY",
+    "REPORT_KEY",
     "REQUEST_ARGS_KEY",
     "RESTORE_KEY",
     "SEGMENT_KINDS",
@@ -129,6 +130,11 @@ CONTROL_KEY: Final = "streaming_control"
 """``SamplingParams.extra_args`` key of a *control chunk*: a chunk that carries no content for
 the session. Its prompt tokens are dropped by the scheduler at the fold, and the one token it
 samples is dropped by the next fold, so the context gains nothing from it."""
+
+REPORT_KEY: Final = "streaming_report"
+"""``SamplingParams.extra_args`` key: true asks EngineCore for the session's
+``records.SessionReport`` on every chunk boundary. A bounded session (``REQUEST_ARGS_KEY``) gets
+one without asking; a streaming request that asks for neither gets none, as from stock vLLM."""
 
 SNAPSHOT_KEY: Final = "streaming_snapshot"
 """``SamplingParams.extra_args`` key: true asks EngineCore to put the session's

@@ -5,8 +5,8 @@ gives plugins only loosely typed side channels between them. Each channel here c
 ONE versioned record, built and parsed by this module on both sides, so that a change to the
 record is a change to one class and a stale peer fails loudly instead of misreading fields.
 
-* `SessionReport`, EngineCore → front end: what a streaming session holds at a chunk boundary
-  (or why the engine ended it). The scheduler sets it in `update_from_output` on the output
+* `SessionReport`, EngineCore → front end: what a bounded session, or a streaming session that
+  asks for it (`policy.REPORT_KEY`), holds at a chunk boundary (or why the engine ended it). The scheduler sets it in `update_from_output` on the output
   that closes the chunk, so the server learns the session's state from the reply itself,
   without a second call into EngineCore. It rides in `EngineCoreOutput.kv_transfer_params`,
   the one per-output dict vLLM 0.32 passes through to `RequestOutput` untouched (no KV

@@ -7,7 +7,7 @@ process, is callable from the front end. They only read scheduler and worker sta
 What an engine carries (plugin.py decides, from the engine's settings):
 - always: `kv_stats`, which the server calls (`realtime/engine_session.py:kv_pool`);
 - with introspection (`settings.INTROSPECTION`, which tests and benchmarks set): also
-  `retention_state` (EngineCore), `worker_stats` (workers) and the memory diagnostics
+  `retention_state` and `scheduler_state` (EngineCore), `worker_stats` (workers) and the memory diagnostics
   (`diagnostics.py`). A `serve` engine refuses them: vLLM answers an unknown method with an error.
 """
 
@@ -169,15 +169,38 @@ async def retention_state(engine: Any, external_id: str) -> dict[str, Any] | Non
     return result
 
 
+SCHEDULER_STATE_METHOD = "vllm_realtime_scheduler_state"
+
+
+def _scheduler_state(core: Any) -> dict[str, Any]:
+    retention = core.scheduler.retention
+    return {
+        "bounded_sessions": len(retention.sessions),
+        # Bound at the first bounded session of an mRoPE model, never before.
+        "mrope_position_function": retention.position_function is not None,
+    }
+
+
+async def scheduler_state(engine: Any) -> dict[str, Any]:
+    """From the front end: the scheduler's engine-wide retention state."""
+    result: dict[str, Any] = await engine.engine_core.call_utility_async(SCHEDULER_STATE_METHOD)
+    return result
+
+
 def install_introspection() -> None:
-    """Idempotently add the test and benchmark utilities: `retention_state` to EngineCore,
+    """Idempotently add the test and benchmark utilities: `retention_state` and
+    `scheduler_state` to EngineCore,
     `worker_stats` to the workers (reached by collective_rpc), the memory diagnostics to both."""
     from vllm.v1.engine.core import EngineCore
 
     from retention.vllm_adapter.diagnostics import install_diagnostics
     from retention.vllm_adapter.import_hooks import patch_on_import
 
-    if not hasattr(EngineCore, RETENTION_STATE_METHOD):
-        setattr(EngineCore, RETENTION_STATE_METHOD, _retention_state)
+    for name, utility in (
+        (RETENTION_STATE_METHOD, _retention_state),
+        (SCHEDULER_STATE_METHOD, _scheduler_state),
+    ):
+        if not hasattr(EngineCore, name):
+            setattr(EngineCore, name, utility)
     patch_on_import("vllm.v1.worker.worker_base", _patch_worker_base)
     install_diagnostics()

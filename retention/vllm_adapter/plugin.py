@@ -98,7 +98,8 @@ def install_engine_process_hooks(introspection: bool) -> None:
     if introspection:
         from retention.vllm_adapter.introspect import install_introspection
 
-        # retention_state, worker_stats, heap_stats (with trim_read): tests and bench only.
+        # retention_state, scheduler_state, worker_stats, heap_stats (with trim_read): tests
+        # and bench only.
         install_introspection()
     if vllm_capabilities().v1_model_runner:
         _install_worker_hooks()

@@ -27,12 +27,16 @@ other:
   this engine cannot bound it: `retention_refusal`); every fold records, evicts and maybe
   consolidates; re-prefills are cut into pieces; a preemption resumes as a consolidation.
 * chunk grammars (`chunk_grammar`): every fold installs the chunk's own structured-output grammar.
-* session reports: every output that closes a chunk of a live session carries a
+* session reports: every output that closes a chunk of a bounded session, or of a session that
+  asks for one (`policy.REPORT_KEY`: the server's sessions all do), carries a
   `retention.records.SessionReport` (blocks held, tokens in context, retention counters), so
   the server reads the session's state from the reply itself.
 
 Requests that are not streaming sessions touch none of the parts but a tag test in
-`add_request` and one dict lookup in the hooks retention uses. Bounded sessions need the worker
+`add_request` and one dict lookup in the hooks retention uses. A plain streaming session (no
+budget, no report asked) gets the guards and the chunk grammars, and its outputs are vLLM's
+own: no report. The mRoPE position function (`mrope.chunk_position_function`) is bound at the
+first bounded session, so an engine that never bounds one never builds it. Bounded sessions need the worker
 hooks (positions, mRoPE, preemption resume), which patch vLLM's V1 GPU model runner: on a vLLM
 without it the engine refuses to start, naming why (`check_serving_support`).
 `requires_worker_hooks = False` is for tests that drive the scheduler alone, with no worker
@@ -56,7 +60,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 
-from retention.policy import REQUEST_ARGS_KEY, SNAPSHOT_KEY
+from retention.policy import REPORT_KEY, REQUEST_ARGS_KEY, SNAPSHOT_KEY
 from retention.records import RETENTION_UNSUPPORTED, RetentionCounters, SessionReport
 from retention.vllm_adapter import check_serving_support
 from retention.vllm_adapter.chunk_grammar import install_chunk_grammar_update, take_chunk_grammar
@@ -174,7 +178,7 @@ class RealtimeSessionScheduler(Scheduler):  # type: ignore[misc]
             for output in eco.outputs:
                 if output.finish_reason is not None and output.kv_transfer_params is None:
                     request = self.requests.get(output.request_id)
-                    if request is not None and request.resumable:
+                    if request is not None and request.resumable and self._reports_to(request):
                         output.kv_transfer_params = self._session_report(request).to_wire()
         if self.guards.pending:
             # After this step's outputs, so a boundary of the same step reaches the client first.
@@ -193,6 +197,8 @@ class RealtimeSessionScheduler(Scheduler):  # type: ignore[misc]
             problem = "retention needs a streaming-input (resumable) request"
         if problem is None and self._uses_mrope and request.prompt_token_ids is None:
             problem = "retention for mRoPE models needs token prompts (no prompt embeddings)"
+        if problem is None and self._uses_mrope and self.retention.position_function is None:
+            problem = self._bind_position_function()
         if problem is None:
             try:
                 self.retention.on_new_request(request)
@@ -203,6 +209,25 @@ class RealtimeSessionScheduler(Scheduler):  # type: ignore[misc]
         self.guards.condemn(
             request.request_id, RETENTION_UNSUPPORTED, f"{RETENTION_UNSUPPORTED}: {problem}"
         )
+
+    def _bind_position_function(self) -> str | None:
+        """Bind the model's mRoPE position function (first bounded session): None, or why it
+        cannot run in the scheduler, which then refuses every bounded session."""
+        try:
+            self.retention.position_function = chunk_position_function(
+                self.vllm_config.model_config
+            )
+        except Exception as exc:  # a model whose function needs more than its config
+            self._retention_refusal = f"the model's mRoPE position function failed: {exc!r}"
+            return self._retention_refusal
+        return None
+
+    def _reports_to(self, request: Request) -> bool:
+        """Whether `request`'s chunk boundaries carry a session report."""
+        if self.retention.is_retention_session(request.request_id):
+            return True
+        extra = request.sampling_params.extra_args if request.sampling_params else None
+        return bool(extra and extra.get(REPORT_KEY))
 
     def _end_session_for_length(self, session: Request, why: str) -> None:
         """Park the session (never runnable again) and end it with an error after this step."""
@@ -292,9 +317,9 @@ def new_session_retention(scheduler: Any, *, uses_mrope: bool) -> SessionRetenti
         model_max_position(model_config),
         max_model_len=int(scheduler.max_model_len),
         uses_mrope=uses_mrope,
-        # mRoPE: the model's own position function measures how far a chunk's positions
-        # outgrow its tokens (Qwen2.5-VL's clips), for the consolidation cursor.
-        position_function=chunk_position_function(model_config) if uses_mrope else None,
+        # mRoPE: the model's own position function, which measures how far a chunk's positions
+        # outgrow its tokens (Qwen2.5-VL's clips) for the consolidation cursor, is bound at the
+        # first bounded session (`RealtimeSessionScheduler._bind_position_function`).
         encoder_cache_manager=getattr(scheduler, "encoder_cache_manager", None),
         rotation_supported=current_platform.is_cpu()
         and rotation_supported(model_config, str(vllm_config.cache_config.cache_dtype)),

@@ -15,7 +15,7 @@ REALTIME_CONFIG_KEY: Final = "vllm_realtime"
 
 INTROSPECTION: Final = "introspection"
 """True: the engine also carries the test and benchmark utilities (`retention_state`,
-`worker_stats`, the memory diagnostics `heap_stats` with `trim_read`). Absent or False, as
+`scheduler_state`, `worker_stats`, the memory diagnostics `heap_stats` with `trim_read`). Absent or False, as
 `serve` starts it: only what production calls (`kv_stats`)."""
 
 

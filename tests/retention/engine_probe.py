@@ -28,6 +28,7 @@ from typing import Any
 CORE_UTILITIES = (
     "vllm_realtime_kv_stats",
     "vllm_realtime_retention_state",
+    "vllm_realtime_scheduler_state",
     "vllm_realtime_heap_stats",
 )
 WORKER_UTILITIES = ("vllm_realtime_worker_stats", "vllm_realtime_heap_stats")

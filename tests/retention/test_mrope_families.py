@@ -3,7 +3,9 @@ reference model: interleaved mRoPE, deepstack, video timestamps written as text)
 (a clip's temporal positions scaled by its duration), each a tiny random-weight model built
 offline (realtime/models/tiny_qwen_vl.py) and served by the real vLLM CPU engine.
 
-Per family (one engine per family for the whole module; the oracle of `vlm_oracle.py`:
+Per family (one engine per family for the whole module; first, before any bounded session,
+plain streaming requests take none of our paths: no session report, no position function; then
+the oracle of `vlm_oracle.py`:
 transformers' own forward with the model's own ``get_rope_index``, over the session's actual
 cache contents, log-probs within 1e-4 and argmax equal):
 
@@ -30,7 +32,12 @@ from typing import Any
 import pytest
 
 from realtime.models import model_dir
-from retention.vllm_adapter.introspect import kv_stats, retention_state, worker_stats
+from retention.vllm_adapter.introspect import (
+    kv_stats,
+    retention_state,
+    scheduler_state,
+    worker_stats,
+)
 from tests.conftest import engine_settings
 from tests.retention.vlm_oracle import (
     SYSTEM,
@@ -102,6 +109,45 @@ def processor(family: Family) -> Any:
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(str(model_dir(family.model)))
+
+
+async def test_plain_streams_take_none_of_our_paths_until_a_bounded_session(
+    engine: Any, family: Family
+) -> None:
+    """The first test on each family's fresh engine (pytest runs a module's tests in file order
+    per family). A plain streaming request with image chunks gets stock vLLM's outputs
+    (`kv_transfer_params` None) and leaves the scheduler without the model's position function;
+    the first bounded session binds it."""
+    from vllm import SamplingParams
+    from vllm.engine.protocol import StreamingInput
+
+    assert await scheduler_state(engine) == {
+        "bounded_sessions": 0,
+        "mrope_position_function": False,
+    }, "this test needs an engine that has served no bounded session"
+
+    async def chunks() -> AsyncIterator[Any]:
+        for i in range(2):
+            image = frame_image(i, family.small.image_size)
+            prompt = (SYSTEM if i == 0 else "") + frame_prompt(i)
+            yield StreamingInput(prompt={"prompt": prompt, "multi_modal_data": {"image": image}})
+
+    plain = SamplingParams(max_tokens=2, temperature=0.0)
+    outputs = [out async for out in engine.generate(chunks(), plain, request_id="plain-stream")]
+    assert sum(o.outputs[0].finish_reason is not None for o in outputs) == 2  # both chunks
+    assert [o.kv_transfer_params for o in outputs] == [None] * len(outputs)
+    assert (await scheduler_state(engine))["mrope_position_function"] is False
+
+    session = VideoSession(engine, {"sink_chunks": 1, "window_chunks": 2})
+    try:
+        image = frame_image(0, family.small.image_size)
+        await session.send(SYSTEM + frame_prompt(0), {"image": image})
+        assert await scheduler_state(engine) == {
+            "bounded_sessions": 1,
+            "mrope_position_function": True,
+        }
+    finally:
+        await session.close()
 
 
 async def test_eviction_of_image_and_clip_chunks_matches_oracle(

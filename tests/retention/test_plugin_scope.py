@@ -133,6 +133,7 @@ def test_a_serve_engine_has_the_hooks_and_only_the_utilities_production_calls() 
     assert report["core_utilities"] == {
         "vllm_realtime_kv_stats": True,
         "vllm_realtime_retention_state": False,
+        "vllm_realtime_scheduler_state": False,
         "vllm_realtime_heap_stats": False,
     }
     assert report["worker_utilities"] == dict.fromkeys(WORKER_UTILITIES, False)
@@ -156,10 +157,17 @@ def test_a_serve_engine_has_the_hooks_and_only_the_utilities_production_calls() 
 async def test_an_introspection_engine_has_the_test_utilities(smollm2_engine: Any) -> None:
     """tests/conftest.py's engines ask for introspection: the utilities the tests read."""
     from retention.vllm_adapter.diagnostics import heap_stats
-    from retention.vllm_adapter.introspect import kv_stats, retention_state, worker_stats
+    from retention.vllm_adapter.introspect import (
+        kv_stats,
+        retention_state,
+        scheduler_state,
+        worker_stats,
+    )
 
     assert (await kv_stats(smollm2_engine))["block_size"] == 32
     assert await retention_state(smollm2_engine, "no-such-session") is None
+    # A 1D model never binds an mRoPE position function.
+    assert (await scheduler_state(smollm2_engine))["mrope_position_function"] is False
     (worker,) = await worker_stats(smollm2_engine)
     assert {"rss_bytes", "encoder_cache_entries", "mrope_columns_by_request"} <= set(worker)
     trimmed = await heap_stats(smollm2_engine, "trim_read")

@@ -218,34 +218,79 @@ async def test_consolidation_matches_fresh_prefill(
         await session.close()
 
 
-async def test_plain_streaming_requests_take_no_retention_path(smollm2_engine: Any) -> None:
-    from vllm import SamplingParams
+async def _streamed_outputs(engine: Any, params: Any, request_id: str, chunks: int) -> list[Any]:
+    """Every output of a streaming request of `chunks` token chunks, read to its end."""
     from vllm.engine.protocol import StreamingInput
     from vllm.inputs import TokensPrompt
 
-    rid = f"plain-{uuid.uuid4().hex[:8]}"
-
-    async def chunks() -> AsyncIterator[Any]:
-        for i in range(2):
+    async def stream() -> AsyncIterator[Any]:
+        for i in range(chunks):
             yield StreamingInput(
                 prompt=TokensPrompt(prompt_token_ids=list(range(100 + i, 140 + i)))
             )
 
-    params = SamplingParams(max_tokens=1)
-    boundaries, finished = 0, False
-    async for out in smollm2_engine.generate(chunks(), params, request_id=rid):
-        assert await retention_state(smollm2_engine, rid) is None
-        if out.finished:  # the last chunk ends the request: no session left to report
-            finished = True
-            continue
-        # A boundary of a plain session reports its blocks, and no retention counters.
-        report = SessionReport.from_wire(out.kv_transfer_params)
-        assert report is not None
-        assert report.retention is None
-        assert report.kv_blocks_held >= 1
-        boundaries += 1
-    # Two chunks: one boundary mid-session, then the end. A loop that saw neither checked nothing.
-    assert (boundaries, finished) == (1, True)
+    outputs = []
+    async for out in engine.generate(stream(), params, request_id=request_id):
+        assert await retention_state(engine, request_id) is None
+        outputs.append(out)
+    assert outputs[-1].finished  # the last chunk ends the request
+    return outputs
+
+
+def _boundaries(outputs: list[Any]) -> list[Any]:
+    return [o for o in outputs if not o.finished and o.outputs[0].finish_reason is not None]
+
+
+async def test_plain_streaming_requests_take_no_retention_path(smollm2_engine: Any) -> None:
+    """A plain streaming request beside the server's sessions in the same engine: its outputs
+    are stock vLLM's (`kv_transfer_params` None, chunk boundaries included), while the
+    server's sessions (`EngineSession`, which asks for the report) read theirs at every
+    boundary: a bounded one with its retention counters, one without retention without."""
+    from vllm import SamplingParams
+
+    from realtime.engine_session import ChunkFinished, EngineSession
+    from vllm_realtime_protocol import SamplingConfig
+
+    sampling = SamplingConfig(max_tokens=2, temperature=0.0)
+    servers = {
+        "bounded": EngineSession(
+            smollm2_engine,
+            f"bounded-{uuid.uuid4().hex[:8]}",
+            sampling,
+            {"sink_chunks": 1, "window_chunks": 1},
+            idle_consolidation=False,
+        ),
+        "unbounded": EngineSession(smollm2_engine, f"whole-{uuid.uuid4().hex[:8]}", sampling),
+    }
+
+    async def server_chunks(es: EngineSession) -> list[SessionReport | None]:
+        reports = []
+        for i in range(3):
+            prompt = {"prompt_token_ids": list(range(200 + i, 240 + i))}
+            async for item in es.run_chunk(prompt, es.chunk_params(reply=True)):
+                if isinstance(item, ChunkFinished):
+                    reports.append(item.report)
+        return reports
+
+    plain_id = f"plain-{uuid.uuid4().hex[:8]}"
+    try:
+        plain, bounded, unbounded = await asyncio.gather(
+            _streamed_outputs(smollm2_engine, SamplingParams(max_tokens=2), plain_id, 3),
+            server_chunks(servers["bounded"]),
+            server_chunks(servers["unbounded"]),
+        )
+    finally:
+        for es in servers.values():
+            await es.abort()
+    # Three chunks: two boundaries mid-request, then the end. A loop that saw none checked nothing.
+    assert len(_boundaries(plain)) == 2
+    assert [o.kv_transfer_params for o in plain] == [None] * len(plain)
+    assert len(bounded) == len(unbounded) == 3
+    assert all(r is not None and r.retention is not None for r in bounded), bounded
+    assert all(r is not None and r.retention is None for r in unbounded), unbounded
+    # What the server reads from them (response.done, admission): held blocks and tokens.
+    assert all(r is not None and r.kv_blocks_held >= 1 for r in bounded + unbounded)
+    assert all(es.tokens_in_context > 0 for es in servers.values())
 
 
 async def test_endurance_2000_chunks_bounded_blocks_and_no_leak(
