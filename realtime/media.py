@@ -15,8 +15,10 @@ from typing import Any
 from vllm_realtime_protocol import UndecodableFrame
 
 MAX_CLIP_FRAMES = 16
-# The server's default frame cap: a VGA camera frame (640×480) goes to the model as sent.
-DEFAULT_MAX_FRAME_PIXELS = 640 * 480
+# The server's default frame cap, 448×448 pixels: the page's 224-px camera frames go to the
+# model as sent, a 640×480 one at 517×388. A default camera session on a published Qwen-VL
+# config (16 megapixels) then reserves about what a camera frame is, and fits a 2,048 context.
+DEFAULT_MAX_FRAME_PIXELS = 448 * 448
 # A clip whose container names no frame rate is read at Qwen-VL's default sampling rate.
 DEFAULT_CLIP_FPS = 2.0
 MAX_IMAGE_PIXELS = 4096 * 4096  # refuse decompression bombs before decoding

@@ -80,3 +80,102 @@ async def test_serve_a_local_smolvlm_checkpoint_with_no_other_flag(tmp_path: Pat
             )
             done, _ = await recv_until(ws, "response.done")
             assert done["status"] in ("completed", "incomplete"), done
+
+
+def _jpeg(width: int, height: int) -> str:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(width)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+SMALL_POOL = ("--kv-cache-memory-bytes", str(256 << 20))
+
+
+async def test_a_published_qwen3_vl_layout_serves_bounded_camera_sessions(tmp_path: Path) -> None:
+    """tiny-qwen3-vl with Qwen3-VL-8B-Instruct's template and processor configs (16 megapixel
+    images, 16,384 tokens): a default camera session is bounded by the frame cap, a larger
+    frame is resized down to it and says so, and a session's own cap reserves less."""
+    from realtime.media import DEFAULT_MAX_FRAME_PIXELS, fit_size
+    from tests.test_published_checkpoints import published_checkpoint
+
+    checkpoint = published_checkpoint("qwen3-vl", tmp_path)
+    async with served("--model", str(checkpoint), *SMALL_POOL) as port:
+        url = f"ws://127.0.0.1:{port}/v1/realtime"
+        budget = {"sink_chunks": 1, "window_chunks": 2}
+        async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
+            opened = await open_session(ws, modality="video", retention=budget)
+            cap = opened["limits"]["max_frame_pixels"]
+            assert cap == DEFAULT_MAX_FRAME_PIXELS
+            reservation = opened["reservation"]
+            # Before the cap: "reserved as a whole context ... = 66144 tokens".
+            assert reservation["bounded"], reservation
+            prompts = []
+            for width, height in [(640, 480), (1280, 720), (224, 224)]:
+                frame = {"type": "frame.append", "image": _jpeg(width, height), "prompt": "?"}
+                await ws.send(json.dumps(frame))
+                done, _ = await recv_until(ws, "response.done")
+                assert done["status"] in ("completed", "incomplete"), done
+                prompts.append(done["usage"]["prompt_tokens"])
+                if width == 1280:
+                    # 1280×720 at 448×448 pixels, its aspect kept: 597×336.
+                    assert done["resized"] == {
+                        "from_size": [1280, 720],
+                        "to_size": [597, 336],
+                        "max_frame_pixels": cap,
+                    }, done["resized"]
+                elif width == 640:
+                    assert done["resized"]["to_size"] == list(fit_size(640, 480, cap)), done
+                else:
+                    assert done["resized"] is None, done
+            # The processor was told the cap: the 1280×720 frame is no more tokens than the
+            # cap gives (196 image tokens, patch 16 × merge 2), nor than the 640×480 one.
+            assert prompts[1] <= prompts[0] + 8 and prompts[0] < 196 + 40, prompts
+            # Within 2× of the real peak: the sink chunk, a window of two and the chunk in
+            # flight, each a camera frame and its 4-token reply.
+            assert reservation["tokens"] <= 2 * 4 * (prompts[0] + 4), (reservation, prompts)
+        async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
+            small = await open_session(
+                ws,
+                modality="video",
+                retention=budget,
+                limits={"max_frame_pixels": 224 * 224},
+            )
+            assert small["reservation"]["tokens"] < reservation["tokens"], small
+            await ws.send(json.dumps({"type": "frame.append", "image": _jpeg(640, 480)}))
+            done, _ = await recv_until(ws, "response.done")
+            assert done["resized"]["to_size"] == list(fit_size(640, 480, 224 * 224)), done
+            assert done["usage"]["prompt_tokens"] < prompts[0], done
+
+
+async def test_the_published_smolvlm_template_is_served_with_chat_template(tmp_path: Path) -> None:
+    """SmolVLM's published template (read as lists only, the conversation opened once, the
+    generation prompt a prefix of a past reply's opening) was refused at start; with
+    `--chat-template FILE` it is served, its prompt as the template writes it."""
+    from tests.test_published_checkpoints import PUBLISHED
+
+    checkpoint = tmp_path / "my-smolvlm"
+    shutil.copytree(build_model("tiny-smolvlm"), checkpoint)
+    template = PUBLISHED / "templates" / "smolvlm.jinja"
+    async with served(
+        "--model", str(checkpoint), "--chat-template", str(template), *SMALL_POOL
+    ) as port:
+        url = f"ws://127.0.0.1:{port}/v1/realtime"
+        async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
+            opened = await open_session(
+                ws, modality="video", retention={"sink_chunks": 1, "window_chunks": 2}
+            )
+            assert opened["reservation"]["bounded"], opened
+            for i in range(4):
+                await ws.send(
+                    json.dumps(
+                        {"type": "frame.append", "image": _jpeg(64 + i, 48), "prompt": "what?"}
+                    )
+                )
+                done, _ = await recv_until(ws, "response.done")
+                assert done["status"] in ("completed", "incomplete"), done
