@@ -247,13 +247,18 @@ def max_image_tokens(
 def processor_kwargs(
     processor_config: dict[str, Any], max_frame_pixels: int | None
 ) -> dict[str, Any] | None:
-    """vLLM's `mm_processor_kwargs` that tell a Qwen-VL style image processor the frame cap, so
-    an image never becomes more tokens than `max_image_tokens` reserved; None when the config is
-    not one (an Idefics3/SmolVLM processor resizes every image to its own fixed size) or the cap
-    does not lower its max_pixels."""
-    if max_frame_pixels is None or split_image_tokens(processor_config) is not None:
+    """vLLM's `mm_processor_kwargs` that tell the image processor the frame cap, so an image
+    never becomes more tokens than was reserved: a Qwen-VL style processor's max pixels, an
+    Idefics3/SmolVLM one's longest edge (it scales every image to that edge, a small frame up);
+    None when the cap does not lower them, or the config is neither."""
+    if max_frame_pixels is None:
         return None
     image = processor_config.get("image_processor", processor_config)
+    if split_image_tokens(processor_config) is not None:
+        tile = int(image["max_image_size"]["longest_edge"])
+        longest = int((image.get("size") or {}).get("longest_edge") or tile)
+        edge = split_edge(tile, max_frame_pixels)
+        return {"size": {"longest_edge": edge}} if edge < longest else None
     low, high = _pixel_range(image)
     if not high or not image.get("patch_size") or high <= max_frame_pixels:
         return None
@@ -279,10 +284,19 @@ class MediaBounds:
         return max(self.image_tokens, self.clip_tokens(max_clip_frames))
 
 
-def split_image_tokens(processor_config: dict[str, Any]) -> int | None:
+def split_edge(tile: int, max_frame_pixels: int) -> int:
+    """The longest edge an Idefics3/SmolVLM processor is told for a frame cap: the cap's side,
+    rounded up to whole tiles (a 448×448 cap: one 512-px tile, the global image alone)."""
+    return max(tile, math.ceil(math.sqrt(max_frame_pixels) / tile) * tile)
+
+
+def split_image_tokens(
+    processor_config: dict[str, Any], max_frame_pixels: int | None = None
+) -> int | None:
     """Most tokens one image can become with an Idefics3/SmolVLM processor, splitting tokens
-    included: the longest edge is resized to `size`, then cut into tiles of `max_image_size`
-    (at most ceil(size / tile) per side), each `<fake_token_around_image><row_r_col_c>` and
+    included: the longest edge is resized to `size` (with a frame cap, to `split_edge`, as
+    `processor_kwargs` tells the processor), then cut into tiles of `max_image_size` (at most
+    ceil(size / tile) per side), each `<fake_token_around_image><row_r_col_c>` and
     `image_seq_len` `<image>` tokens, a newline after each row, a newline, and the global image
     `<fake_token_around_image><global-img>`, `image_seq_len` `<image>`,
     `<fake_token_around_image>`. None: not such a config."""
@@ -291,8 +305,10 @@ def split_image_tokens(processor_config: dict[str, Any]) -> int | None:
     tile = (image.get("max_image_size") or {}).get("longest_edge")
     if not seq_len or not tile:
         return None
-    longest = (image.get("size") or {}).get("longest_edge") or tile
-    per_side = math.ceil(int(longest) / int(tile)) if image.get("do_image_splitting") else 0
+    longest = int((image.get("size") or {}).get("longest_edge") or tile)
+    if max_frame_pixels is not None:
+        longest = min(longest, split_edge(int(tile), max_frame_pixels))
+    per_side = math.ceil(longest / int(tile)) if image.get("do_image_splitting") else 0
     if per_side <= 1:  # one tile or no splitting: the global image alone
         return int(seq_len) + 3
     tiles = per_side * per_side
@@ -303,9 +319,8 @@ def media_bounds(
     processor_config: dict[str, Any], max_frame_pixels: int | None = None
 ) -> MediaBounds | None:
     """A frame's most tokens under the processor config and the frame cap (clips: per frame,
-    each resized to the cap). An Idefics3/SmolVLM processor resizes every image to its own
-    `size` whatever was sent, so the cap does not change its count."""
-    split = split_image_tokens(processor_config)
+    each resized to the cap)."""
+    split = split_image_tokens(processor_config, max_frame_pixels)
     if split is not None:
         # vLLM 0.32 serves Idefics3/SmolVLM with images only: no clip reaches the engine (the
         # server refuses clips where the chat template writes no video placeholder).

@@ -134,15 +134,21 @@ def storable_frames(engine: Any) -> dict[str, int] | None:
 
 
 def decode_stored_frames(
-    stored: StoredSession, frames: dict[int, bytes]
+    stored: StoredSession, frames: dict[int, bytes], max_frame_pixels: int | None = None
 ) -> dict[int, tuple[str, Any]]:
-    """A stored video session's retained frames, decoded as the live session decoded them."""
+    """A stored video session's retained frames, decoded as the live session decoded them
+    (resized to its frame cap)."""
     media: dict[int, tuple[str, Any]] = {}
     for index, kind in stored.media.items():
         data = frames.get(index)
         if data is None:
             raise EngineError(f"the session's record lacks the frame of segment {index}")
-        media[index] = (kind, decode_image(data) if kind == "image" else decode_clip(data))
+        decoded = (
+            decode_image(data, max_pixels=max_frame_pixels)
+            if kind == "image"
+            else decode_clip(data, max_frame_pixels=max_frame_pixels)
+        )
+        media[index] = (kind, decoded)
     return media
 
 
@@ -468,7 +474,12 @@ class SessionHub:
             if stored.snapshot is not None:
                 media = None
                 if stored.config.modality == "video":
-                    media = await asyncio.to_thread(decode_stored_frames, stored, frames or {})
+                    media = await asyncio.to_thread(
+                        decode_stored_frames,
+                        stored,
+                        frames or {},
+                        self.admission.frame_cap(stored.config),
+                    )
                 tokens = await record.engine_session.restore(
                     stored.snapshot,
                     chunks=stored.chunks,

@@ -162,8 +162,9 @@ def _qwen_tokens(config: dict[str, Any], size: tuple[int, int], cap: int | None)
     return int(np.prod(grid)) // int(config["merge_size"]) ** 2
 
 
-def _smolvlm_tokens(config: dict[str, Any], size: tuple[int, int]) -> int:
-    """The SmolVLM processor's own token count for a frame: its prompt string's tokens."""
+def _smolvlm_tokens(config: dict[str, Any], size: tuple[int, int], cap: int | None = None) -> int:
+    """The SmolVLM processor's own token count for a frame resized as the server resizes it,
+    the processor told the cap as the server tells it: its prompt string's tokens."""
     import numpy as np
     from transformers import SmolVLMImageProcessor
     from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
@@ -172,8 +173,10 @@ def _smolvlm_tokens(config: dict[str, Any], size: tuple[int, int]) -> int:
     kwargs = {k: v for k, v in image_config.items() if not k.endswith("_type")}
     kwargs.pop("processor_class", None)
     processor = SmolVLMImageProcessor(**kwargs)
-    image = np.zeros((size[1], size[0], 3), dtype=np.uint8)
-    out = processor(images=[[image]], return_row_col_info=True, return_tensors="np")
+    w, h = fit_size(*size, cap)
+    image = np.zeros((h, w, 3), dtype=np.uint8)
+    over = processor_kwargs(config, cap) or {}
+    out = processor(images=[[image]], return_row_col_info=True, return_tensors="np", **over)
     prompt = get_image_prompt_string(
         out["rows"][0][0],
         out["cols"][0][0],
@@ -208,14 +211,28 @@ def test_a_qwen_frame_reserves_what_the_processor_makes_under_the_cap(family: st
 def test_smolvlm_caps_come_from_the_preprocessor_config() -> None:
     config = read_processor_config(str(PUBLISHED / "smolvlm"))
     assert config["image_seq_len"] == 64 and config["image_processor"]["size"]
-    bounds = media_bounds(config, DEFAULT_MAX_FRAME_PIXELS)
-    assert bounds is not None
-    # The processor upscales every frame's longest edge to 2,048 px: a square one is 4×4 tiles
-    # of 512 and the global image, 16 × (64 + 2) + 4 row ends + 1 + 64 + 3 = 1,128 tokens.
-    assert bounds.image_tokens == 1128
+    uncapped = media_bounds(config)
+    assert uncapped is not None
+    # Uncapped, the processor upscales every frame's longest edge to 2,048 px: a square one is
+    # 4×4 tiles of 512 and the global image, 16 × (64 + 2) + 4 row ends + 1 + 64 + 3 = 1,128.
+    assert uncapped.image_tokens == 1128
     real = {size: _smolvlm_tokens(config, size) for size in FRAMES}
     assert real == {(224, 224): 1128, (640, 480): 863, (1280, 720): 863}, real
-    assert all(bounds.image_tokens <= 2 * n for n in real.values())
+    # Under the default cap (448×448) it is told a 512-px edge: one tile, the global image.
+    bounds = media_bounds(config, DEFAULT_MAX_FRAME_PIXELS)
+    assert bounds is not None and bounds.image_tokens == 64 + 3
+    capped = {size: _smolvlm_tokens(config, size, DEFAULT_MAX_FRAME_PIXELS) for size in FRAMES}
+    assert set(capped.values()) == {67}, capped
+    # A 1280×720 cap: a 1,024-px edge, 2×2 tiles.
+    cap = 1280 * 720
+    hd = media_bounds(config, cap)
+    assert hd is not None and hd.image_tokens == 4 * 66 + 2 + 1 + 67
+    for size in FRAMES:
+        assert (
+            _smolvlm_tokens(config, size, cap)
+            <= hd.image_tokens
+            <= 2 * max(_smolvlm_tokens(config, size, cap), 1)
+        ), size
     # The old read took processor_config.json alone: no sizes, the 1,024-token default.
     only = json.loads((PUBLISHED / "smolvlm" / "processor_config.json").read_text())
     assert media_bounds(only) is None

@@ -97,14 +97,23 @@ def _jpeg(width: int, height: int) -> str:
 SMALL_POOL = ("--kv-cache-memory-bytes", str(256 << 20))
 
 
-async def test_a_published_qwen3_vl_layout_serves_bounded_camera_sessions(tmp_path: Path) -> None:
-    """tiny-qwen3-vl with Qwen3-VL-8B-Instruct's template and processor configs (16 megapixel
-    images, 16,384 tokens): a default camera session is bounded by the frame cap, a larger
-    frame is resized down to it and says so, and a session's own cap reserves less."""
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+async def test_a_published_qwen_layout_serves_bounded_camera_sessions(
+    tmp_path: Path, family: str
+) -> None:
+    """The family's tiny model with its published template and processor configs (12-16
+    megapixel images, 16,384 tokens): it starts, a default camera session is bounded by the
+    frame cap, a larger frame is resized down to it and says so, and a session's own cap
+    reserves less."""
+    from realtime.admission import media_bounds
+    from realtime.engine_session import read_processor_config
     from realtime.media import DEFAULT_MAX_FRAME_PIXELS, fit_size
     from tests.test_published_checkpoints import published_checkpoint
 
-    checkpoint = published_checkpoint("qwen3-vl", tmp_path)
+    checkpoint = published_checkpoint(family, tmp_path)
+    bounds = media_bounds(read_processor_config(str(checkpoint)), DEFAULT_MAX_FRAME_PIXELS)
+    assert bounds is not None
+    media = bounds.image_tokens  # 196 (Qwen3-VL: patch 16 × merge 2), 256 (patch 14)
     async with served("--model", str(checkpoint), *SMALL_POOL) as port:
         url = f"ws://127.0.0.1:{port}/v1/realtime"
         budget = {"sink_chunks": 1, "window_chunks": 2}
@@ -134,11 +143,12 @@ async def test_a_published_qwen3_vl_layout_serves_bounded_camera_sessions(tmp_pa
                 else:
                     assert done["resized"] is None, done
             # The processor was told the cap: the 1280×720 frame is no more tokens than the
-            # cap gives (196 image tokens, patch 16 × merge 2), nor than the 640×480 one.
-            assert prompts[1] <= prompts[0] + 8 and prompts[0] < 196 + 40, prompts
+            # cap gives, its turn's text aside (the first chunk also carries Qwen2-VL's
+            # default system turn).
+            assert media * 0.9 < prompts[1] <= media + 40, (media, prompts)
             # Within 2× of the real peak: the sink chunk, a window of two and the chunk in
             # flight, each a camera frame and its 4-token reply.
-            assert reservation["tokens"] <= 2 * 4 * (prompts[0] + 4), (reservation, prompts)
+            assert reservation["tokens"] <= 2 * 4 * (prompts[1] + 4), (reservation, prompts)
         async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
             small = await open_session(
                 ws,
@@ -150,20 +160,28 @@ async def test_a_published_qwen3_vl_layout_serves_bounded_camera_sessions(tmp_pa
             await ws.send(json.dumps({"type": "frame.append", "image": _jpeg(640, 480)}))
             done, _ = await recv_until(ws, "response.done")
             assert done["resized"]["to_size"] == list(fit_size(640, 480, 224 * 224)), done
-            assert done["usage"]["prompt_tokens"] < prompts[0], done
+            assert done["usage"]["prompt_tokens"] < prompts[1], done
 
 
 async def test_the_published_smolvlm_template_is_served_with_chat_template(tmp_path: Path) -> None:
     """SmolVLM's published template (read as lists only, the conversation opened once, the
     generation prompt a prefix of a past reply's opening) was refused at start; with
-    `--chat-template FILE` it is served, its prompt as the template writes it."""
+    `--chat-template FILE` it is served, its prompt as the template writes it. A frame cap of
+    32×32 tells the processor a 32-px edge: one tile, the global image alone (7 tokens, not
+    the 34 of 2×2 tiles)."""
     from tests.test_published_checkpoints import PUBLISHED
 
     checkpoint = tmp_path / "my-smolvlm"
     shutil.copytree(build_model("tiny-smolvlm"), checkpoint)
     template = PUBLISHED / "templates" / "smolvlm.jinja"
     async with served(
-        "--model", str(checkpoint), "--chat-template", str(template), *SMALL_POOL
+        "--model",
+        str(checkpoint),
+        "--chat-template",
+        str(template),
+        "--max-frame-pixels",
+        "1024",
+        *SMALL_POOL,
     ) as port:
         url = f"ws://127.0.0.1:{port}/v1/realtime"
         async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
@@ -179,3 +197,6 @@ async def test_the_published_smolvlm_template_is_served_with_chat_template(tmp_p
                 )
                 done, _ = await recv_until(ws, "response.done")
                 assert done["status"] in ("completed", "incomplete"), done
+                assert done["resized"] is not None, done  # 64×48 and up, over 32×32
+                # The global image (7 tokens) and the turn's text; 2×2 tiles alone are 34.
+                assert done["usage"]["prompt_tokens"] < 30, done["usage"]
