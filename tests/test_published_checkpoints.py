@@ -55,6 +55,21 @@ def published_checkpoint(family: str, out: Path) -> Path:
     return checkpoint
 
 
+def published_smolvlm_256m(out: Path) -> Path:
+    """A tiny SmolVLM with SmolVLM-256M-Instruct's vision geometry (512-px tiles, patch 16,
+    scale factor 4: 64 tokens a tile), carrying its published template and processor configs
+    (the tiny-smolvlm's 32-px tiles cannot take them)."""
+    from realtime.models.tiny_smolvlm import build_tiny_smolvlm
+
+    checkpoint = out / "published-smolvlm-256m"
+    build_tiny_smolvlm(checkpoint, tile=512, longest_edge=2048, patch=16, scale_factor=4)
+    (checkpoint / "processor_config.json").unlink()
+    for path in (PUBLISHED / "smolvlm").iterdir():
+        shutil.copy(path, checkpoint / path.name)
+    shutil.copy(PUBLISHED / "templates" / "smolvlm.jinja", checkpoint / "chat_template.jinja")
+    return checkpoint
+
+
 def _template(family: str) -> str:
     return (PUBLISHED / "templates" / FAMILIES[family][1]).read_text()
 

@@ -200,3 +200,28 @@ async def test_the_published_smolvlm_template_is_served_with_chat_template(tmp_p
                 assert done["resized"] is not None, done  # 64×48 and up, over 32×32
                 # The global image (7 tokens) and the turn's text; 2×2 tiles alone are 34.
                 assert done["usage"]["prompt_tokens"] < 30, done["usage"]
+
+
+async def test_a_published_smolvlm_256m_layout_is_served_end_to_end(tmp_path: Path) -> None:
+    """SmolVLM-256M-Instruct's layout (its template, preprocessor_config.json with 512-px
+    tiles and a 2,048-px edge, processor_config.json with `image_seq_len` 64 alone) on a tiny
+    model of its geometry, with no flag but the pool: it starts, the caps come from the right
+    file, and a default camera session is bounded at one tile a frame (the default cap)."""
+    from tests.test_published_checkpoints import published_smolvlm_256m
+
+    checkpoint = published_smolvlm_256m(tmp_path)
+    async with served("--model", str(checkpoint), *SMALL_POOL) as port:
+        url = f"ws://127.0.0.1:{port}/v1/realtime"
+        async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
+            opened = await open_session(
+                ws, modality="video", retention={"sink_chunks": 1, "window_chunks": 2}
+            )
+            assert opened["reservation"]["bounded"], opened
+            for width, height in [(224, 224), (640, 480), (1280, 720)]:
+                frame = {"type": "frame.append", "image": _jpeg(width, height), "prompt": "?"}
+                await ws.send(json.dumps(frame))
+                done, _ = await recv_until(ws, "response.done")
+                assert done["status"] in ("completed", "incomplete"), done
+                # The global image (64 + 3 tokens) and the turn's text; uncapped, the
+                # processor makes 4×4 tiles of a 224-px frame: 1,128 tokens.
+                assert 67 < done["usage"]["prompt_tokens"] < 67 + 30, done["usage"]
