@@ -99,7 +99,7 @@ def _parts(text: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("instructions", [None, "Describe each frame."])
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl", "smolvlm", "smollm2"])
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "smolvlm", "smollm2"])
 def test_the_prompt_equals_the_templates_own(family: str, instructions: str | None) -> None:
     """system + frame + reply + frame, as the server writes it (each chunk tokenized on its
     own, as the engine gets it), against `apply_chat_template` of the same conversation."""
