@@ -272,3 +272,16 @@ def test_fit_size_keeps_the_aspect_under_the_cap(size: tuple[int, int]) -> None:
         assert (w, h) == size
     else:
         assert math.isclose(w / h, size[0] / size[1], rel_tol=0.02)
+
+
+def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    from realtime.engine_session import load_chat_template
+    from realtime.prompt_format import ChatFormatError
+
+    template = _template("smolvlm")
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template
+    assert load_chat_template(template) == template  # vLLM's flag takes either
+    with pytest.raises(ChatFormatError, match="no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
