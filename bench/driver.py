@@ -181,12 +181,12 @@ def stateless_prompt(
     """The prompt of a stateless sliding-window client: the instructions, the last W frames
     with the replies they got, then the new frame, in the same format as `render_chunk`."""
     parts: list[str] = []
-    if config.instructions:
-        parts.append(chat.system_turn(config.instructions))
+    parts.append(chat.opening(config.instructions))
     images: list[Any] = []
     for past, reply in [*window, (frame, None)]:
         rendered = render_chunk(past, SessionConfig(modality=config.modality), chat=chat,
-                                first=True, multimodal=multimodal)  # fmt: skip
+                                first=False, after_reply=False,
+                                multimodal=multimodal)  # fmt: skip
         parts.append(rendered["prompt"])
         mm = rendered.get("multi_modal_data") or {}
         if "image" in mm:

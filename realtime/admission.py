@@ -27,9 +27,12 @@ random budgets and chunk sizes.
 
 Every chunk has a bounded size for this to hold: text turns and the text part of a frame are
 capped by `max_chunk_tokens` (counted exactly, the server tokenizes them), a frame by the
-model's processor (max pixels → max tokens per image, and per clip of at most the session's
-declared `limits.max_clip_frames`: 1 unless it declares clips, since cameras send single
-images), instructions by `max_instructions_tokens`.
+frame cap (`max_frame_pixels`, the server's or the session's lower one: a larger frame is
+resized down to it and the processor is told the same cap as its max pixels, so the cap → max
+tokens per image, and per clip of at most the session's declared `limits.max_clip_frames`: 1
+unless it declares clips, since cameras send single images), instructions by
+`max_instructions_tokens`. Published processor configs allow images of 12-16 megapixels
+(16,384 tokens): without the cap every session's worst case passed the context.
 
 Compute is admitted too (realtime/compute.py): the open sessions' declared paces times the
 measured cost of their chunks must stay under a headroom of the engine's time.
@@ -44,7 +47,7 @@ facts: what a session reserves at open, and whether a chunk may run. The hub doe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from realtime.compute import ChunkKind, CostModel, SessionLoad, compute_problem
@@ -212,17 +215,57 @@ def budget_problem(footprint: Footprint, max_position: int, max_model_len: int) 
     return None
 
 
-def max_image_tokens(processor_config: dict[str, Any]) -> int | None:
-    """Most LLM tokens one image can become, from a Qwen-VL style processor config: the
-    processor resizes to at most max_pixels, in (patch × merge)² pixel units per token."""
-    image = processor_config.get("image_processor", processor_config)
+def _pixel_range(image: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(min, max) pixels of a Qwen-VL style image or video processor config: flat
+    `min_pixels`/`max_pixels` (Qwen2-VL, Qwen2.5-VL) or `size.shortest_edge`/`longest_edge`,
+    which these processors read as pixel counts (Qwen3-VL, transformers 5)."""
     size = image.get("size") or {}
-    max_pixels = image.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+    low = image.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+    high = image.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+    return (int(low) if low else None), (int(high) if high else None)
+
+
+def max_image_tokens(
+    processor_config: dict[str, Any], max_frame_pixels: int | None = None
+) -> int | None:
+    """Most LLM tokens one image can become, from a Qwen-VL style processor config: the
+    processor resizes to at most max_pixels, in (patch × merge)² pixel units per token; with a
+    frame cap the processor is told the cap as its max_pixels (`processor_kwargs`). Small
+    images are scaled up to min_pixels, rounding each side up: twice min_pixels bounds that."""
+    image = processor_config.get("image_processor", processor_config)
+    low, high = _pixel_range(image)
     patch = image.get("patch_size")
     merge = image.get("merge_size", 1)
-    if not max_pixels or not patch:
+    if not high or not patch:
         return None
-    return math.ceil(int(max_pixels) / (int(patch) * int(merge)) ** 2)
+    if max_frame_pixels is not None:
+        high = min(high, max_frame_pixels)
+    high = max(high, 2 * (low or 0))
+    return math.ceil(high / (int(patch) * int(merge)) ** 2)
+
+
+def processor_kwargs(
+    processor_config: dict[str, Any], max_frame_pixels: int | None
+) -> dict[str, Any] | None:
+    """vLLM's `mm_processor_kwargs` that tell the image processor the frame cap, so an image
+    never becomes more tokens than was reserved: a Qwen-VL style processor's max pixels, an
+    Idefics3/SmolVLM one's longest edge (it scales every image to that edge, a small frame up);
+    None when the cap does not lower them, or the config is neither."""
+    if max_frame_pixels is None:
+        return None
+    image = processor_config.get("image_processor", processor_config)
+    if split_image_tokens(processor_config) is not None:
+        tile = int(image["max_image_size"]["longest_edge"])
+        longest = int((image.get("size") or {}).get("longest_edge") or tile)
+        edge = split_edge(tile, max_frame_pixels)
+        return {"size": {"longest_edge": edge}} if edge < longest else None
+    low, high = _pixel_range(image)
+    if not high or not image.get("patch_size") or high <= max_frame_pixels:
+        return None
+    size = {"longest_edge": max_frame_pixels}
+    if low:
+        size["shortest_edge"] = min(low, max_frame_pixels)
+    return {"size": size}
 
 
 @dataclass(frozen=True)
@@ -241,10 +284,19 @@ class MediaBounds:
         return max(self.image_tokens, self.clip_tokens(max_clip_frames))
 
 
-def split_image_tokens(processor_config: dict[str, Any]) -> int | None:
+def split_edge(tile: int, max_frame_pixels: int) -> int:
+    """The longest edge an Idefics3/SmolVLM processor is told for a frame cap: the cap's side,
+    rounded up to whole tiles (a 448×448 cap: one 512-px tile, the global image alone)."""
+    return max(tile, math.ceil(math.sqrt(max_frame_pixels) / tile) * tile)
+
+
+def split_image_tokens(
+    processor_config: dict[str, Any], max_frame_pixels: int | None = None
+) -> int | None:
     """Most tokens one image can become with an Idefics3/SmolVLM processor, splitting tokens
-    included: the longest edge is resized to `size`, then cut into tiles of `max_image_size`
-    (at most ceil(size / tile) per side), each `<fake_token_around_image><row_r_col_c>` and
+    included: the longest edge is resized to `size` (with a frame cap, to `split_edge`, as
+    `processor_kwargs` tells the processor), then cut into tiles of `max_image_size` (at most
+    ceil(size / tile) per side), each `<fake_token_around_image><row_r_col_c>` and
     `image_seq_len` `<image>` tokens, a newline after each row, a newline, and the global image
     `<fake_token_around_image><global-img>`, `image_seq_len` `<image>`,
     `<fake_token_around_image>`. None: not such a config."""
@@ -253,23 +305,29 @@ def split_image_tokens(processor_config: dict[str, Any]) -> int | None:
     tile = (image.get("max_image_size") or {}).get("longest_edge")
     if not seq_len or not tile:
         return None
-    longest = (image.get("size") or {}).get("longest_edge") or tile
-    per_side = math.ceil(int(longest) / int(tile)) if image.get("do_image_splitting") else 0
+    longest = int((image.get("size") or {}).get("longest_edge") or tile)
+    if max_frame_pixels is not None:
+        longest = min(longest, split_edge(int(tile), max_frame_pixels))
+    per_side = math.ceil(longest / int(tile)) if image.get("do_image_splitting") else 0
     if per_side <= 1:  # one tile or no splitting: the global image alone
         return int(seq_len) + 3
     tiles = per_side * per_side
     return tiles * (int(seq_len) + 2) + per_side + 1 + int(seq_len) + 3
 
 
-def media_bounds(processor_config: dict[str, Any]) -> MediaBounds | None:
-    split = split_image_tokens(processor_config)
+def media_bounds(
+    processor_config: dict[str, Any], max_frame_pixels: int | None = None
+) -> MediaBounds | None:
+    """A frame's most tokens under the processor config and the frame cap (clips: per frame,
+    each resized to the cap)."""
+    split = split_image_tokens(processor_config, max_frame_pixels)
     if split is not None:
         # vLLM 0.32 serves Idefics3/SmolVLM with images only: no clip reaches the engine (the
         # server refuses clips where the chat template writes no video placeholder).
         return MediaBounds(image_tokens=split, clip_frame_tokens=0)
-    image = max_image_tokens(processor_config)
+    image = max_image_tokens(processor_config, max_frame_pixels)
     video = processor_config.get("video_processor", processor_config)
-    per_step = max_image_tokens({"image_processor": video})
+    per_step = max_image_tokens({"image_processor": video}, max_frame_pixels)
     if image is None or per_step is None:
         return None
     temporal = int(video.get("temporal_patch_size", 1) or 1)
@@ -280,8 +338,10 @@ DEFAULT_MEDIA_BOUNDS = MediaBounds(image_tokens=1024, clip_frame_tokens=1024)
 """Taken when the processor config says nothing about its sizes: large, so admission errs safe."""
 
 
-def media_bounds_or_default(processor_config: dict[str, Any]) -> MediaBounds:
-    return media_bounds(processor_config) or DEFAULT_MEDIA_BOUNDS
+def media_bounds_or_default(
+    processor_config: dict[str, Any], max_frame_pixels: int | None = None
+) -> MediaBounds:
+    return media_bounds(processor_config, max_frame_pixels) or DEFAULT_MEDIA_BOUNDS
 
 
 @dataclass(frozen=True)
@@ -321,6 +381,10 @@ class Admission:
     strict_budgets: bool = False
     compute_headroom: float | None = None
     """Share of the engine's time the open sessions may ask for (None: compute not admitted)."""
+    max_frame_pixels: int | None = None
+    """The server's frame cap (a larger frame is resized down to it); None: no cap."""
+    processor_config: dict[str, Any] = field(default_factory=dict)
+    """The model's processor config: a session's own frame cap reserves from it."""
 
     @classmethod
     def for_server(
@@ -333,6 +397,7 @@ class Admission:
         usable_blocks: int,
         media: MediaBounds | None,
         engine_slots: int | None,
+        processor_config: dict[str, Any] | None = None,
     ) -> Admission:
         """The rules of a server with this configuration over an engine with these facts."""
         return cls(
@@ -351,6 +416,8 @@ class Admission:
             consolidation=server.consolidation,
             strict_budgets=server.strict_budgets,
             compute_headroom=server.compute_headroom,
+            max_frame_pixels=server.max_frame_pixels,
+            processor_config=processor_config or {},
         )
 
     # -- session.open
@@ -402,9 +469,12 @@ class Admission:
         server = {
             "max_chunk_tokens": self.max_chunk_tokens,
             "max_clip_frames": self.max_clip_frames,
+            "max_frame_pixels": self.max_frame_pixels,
         }
         for name, cap in server.items():
             value = getattr(config.limits, name)
+            if cap is None:
+                continue
             if value is not None and value > cap:
                 raise InvalidRequestError(
                     f"session.open.limits.{name} is {value}, above the server's "
@@ -417,11 +487,30 @@ class Admission:
         text = config.limits.max_chunk_tokens or self.max_chunk_tokens
         return text, config.limits.max_clip_frames
 
+    def frame_cap(self, config: SessionConfig) -> int | None:
+        """Most pixels of one of this session's frames: its own cap, else the server's."""
+        own = config.limits.max_frame_pixels
+        if own is None:
+            return self.max_frame_pixels
+        return own if self.max_frame_pixels is None else min(own, self.max_frame_pixels)
+
+    def media_of(self, config: SessionConfig) -> MediaBounds | None:
+        """The media bounds of this session's frames (a session's own cap may lower them)."""
+        cap = config.limits.max_frame_pixels
+        if self.media is None or cap is None or not self.processor_config:
+            return self.media
+        return media_bounds(self.processor_config, self.frame_cap(config)) or self.media
+
+    def frame_processor_kwargs(self, config: SessionConfig) -> dict[str, Any] | None:
+        """The `mm_processor_kwargs` of this session's frames (None: the engine's own)."""
+        return processor_kwargs(self.processor_config, self.frame_cap(config))
+
     def media_tokens(self, config: SessionConfig) -> int:
         """Most tokens one frame's image or clip of this session can add."""
-        if config.modality != "video" or self.media is None:
+        media = self.media_of(config)
+        if config.modality != "video" or media is None:
             return 0
-        return self.media.chunk_tokens(self.chunk_caps(config)[1])
+        return media.chunk_tokens(self.chunk_caps(config)[1])
 
     def chunk_tokens_cap(self, config: SessionConfig) -> int:
         """Most tokens one chunk of this session can be (text cap, plus a frame's tokens)."""
@@ -492,12 +581,12 @@ class Admission:
         processor's max pixels give, a clip no more frames than the session's cap.
         `held_tokens`: what the session held at its last boundary."""
         cap, clip_cap = self.chunk_caps(config)
+        media = self.media_of(config)
         if text_tokens > cap:
             raise ChunkTooLarge(
                 f"this chunk's text is {text_tokens} tokens; at most {cap} "
                 "(limits.max_chunk_tokens). It was not run; send it in smaller pieces"
             )
-        media = self.media
         if (
             clip_frames is not None
             and media is not None
@@ -532,8 +621,9 @@ class Admission:
         if cost is None:
             return None
         scale = 1.0
-        if kind == "frame" and self.media is not None:
-            scale = self.media.chunk_tokens(self.chunk_caps(config)[1]) / self.media.chunk_tokens(1)
+        media = self.media_of(config)
+        if kind == "frame" and media is not None:
+            scale = media.chunk_tokens(self.chunk_caps(config)[1]) / media.chunk_tokens(1)
         chunk_ms = cost.chunk_ms(config.sampling.max_tokens, prefill_scale=scale)
         return SessionLoad(frames_per_s=config.limits.frames_per_s, chunk_ms=chunk_ms)
 

@@ -123,7 +123,10 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         compute_headroom=args.compute_headroom or None,
         chunk_cost_ms=args.chunk_cost_ms,
         session_store=args.session_store,
+        max_frame_pixels=args.max_frame_pixels or None,
+        chat_template=args.chat_template,
     )
+    settings = settings.with_overrides(max_frame_pixels=config.max_frame_pixels)
     run_server(config, settings)
     return 0
 
@@ -260,6 +263,28 @@ def _add_operation_flags(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_checkpoint_flags(serve: argparse.ArgumentParser) -> None:
+    """A published checkpoint as its users run it: its frames' size, its chat template."""
+    from realtime.media import DEFAULT_MAX_FRAME_PIXELS
+
+    serve.add_argument(
+        "--max-frame-pixels",
+        type=int,
+        default=DEFAULT_MAX_FRAME_PIXELS,
+        help="most pixels (width x height) of one image or clip frame: a larger one is resized "
+        "down to it, and the processor is told the same cap, so admission reserves a frame's "
+        "tokens from it (0: the processor's own max pixels, 12-16 megapixels in published "
+        "Qwen-VL configs)",
+    )
+    serve.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="the chat template to write prompts with, a file or the template itself (vLLM's "
+        "flag), instead of the model's own",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-realtime", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -269,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         _add_session_flags,
         _add_retention_flags,
         _add_operation_flags,
+        _add_checkpoint_flags,
     ):
         add_flags(serve)
     models = sub.add_parser("models", help="list or build the embedded default models")

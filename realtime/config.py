@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from realtime.compute import DEFAULT_HEADROOM
+from realtime.media import DEFAULT_MAX_FRAME_PIXELS
 from retention.policy import CONSOLIDATION_MODES, ConsolidationMode
 
 
@@ -40,6 +41,13 @@ class ServerConfig:
     # them (realtime/admission.py), so they are enforced (chunk_too_large, invalid_request).
     max_chunk_tokens: int = 128
     max_instructions_tokens: int = 512
+    # Most pixels of one image or clip frame (a larger one is resized down to it, the processor
+    # is told the same cap); admission reserves a frame's tokens from it. None: no cap (the
+    # processor's own max pixels, 12-16 megapixels in published Qwen-VL configs).
+    max_frame_pixels: int | None = DEFAULT_MAX_FRAME_PIXELS
+    # The chat template to write prompts with (vLLM's --chat-template: a file, or the template
+    # itself), instead of the model's own.
+    chat_template: str | None = None
     # Refuse (invalid_request) a client's retention budget whose worst case cannot fit, instead
     # of reserving it as a whole context (SessionHub.admit).
     strict_budgets: bool = False
@@ -79,6 +87,8 @@ class ServerConfig:
             raise ValueError(f"API keys must not start with {SECRET_PREFIX!r} (client secrets do)")
         if not 0 < self.client_secret_ttl_s <= self.max_client_secret_ttl_s:
             raise ValueError("need 0 < client_secret_ttl_s <= max_client_secret_ttl_s")
+        if self.max_frame_pixels is not None and self.max_frame_pixels < 1:
+            raise ValueError(f"max_frame_pixels must be >= 1, got {self.max_frame_pixels}")
         if self.max_chunk_tokens < 1 or self.max_instructions_tokens < 1:
             raise ValueError("max_chunk_tokens and max_instructions_tokens must be >= 1")
         if self.max_resume_grace_s < 0:

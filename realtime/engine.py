@@ -234,6 +234,9 @@ class EngineSettings:
     # reach EngineCore in our settings (retention/vllm_adapter/settings.py).
     consolidation: ConsolidationMode | None = None
     reprefill_piece: int = 128
+    # The server's frame cap (ServerConfig.max_frame_pixels), told to the model's processor as
+    # its max pixels (mm_processor_kwargs) unless --mm-processor-kwargs is given.
+    max_frame_pixels: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def with_overrides(self, **kwargs: Any) -> EngineSettings:
@@ -337,6 +340,15 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
     elif not platform.cuda:
         kwargs["block_size"] = CPU_DEFAULT_BLOCK_SIZE
     kwargs.update(extra)
+    if settings.max_frame_pixels is not None and "mm_processor_kwargs" not in extra:
+        from realtime.admission import processor_kwargs
+        from realtime.engine_session import read_processor_config
+
+        mm_kwargs = processor_kwargs(
+            read_processor_config(str(kwargs["model"])), settings.max_frame_pixels
+        )
+        if mm_kwargs:
+            kwargs["mm_processor_kwargs"] = mm_kwargs
     log.info(
         "engine on %s: context %s, KV pool %s, %s",
         "CUDA" if platform.cuda else "CPU",

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import io
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -51,6 +52,7 @@ from vllm_realtime_protocol import (
     ContextExceeded,
     EngineError,
     Frame,
+    FrameResize,
     InvalidEvent,
     JsonObjectFormat,
     JsonSchemaFormat,
@@ -101,18 +103,31 @@ class EngineFacts:
             max_position=model_max_position(model_config),
             engine_slots=getattr(scheduler_config, "max_num_seqs", None),
             model_path=model_path,
-            processor_config=_processor_config(model_path),
+            processor_config=read_processor_config(model_path),
         )
 
 
-def _processor_config(model_path: str) -> dict[str, Any]:
-    """The processor config of a local model directory, {} when it has none."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
+def read_processor_config(model_path: str) -> dict[str, Any]:
+    """The processor config of a local model directory ({} when it has none), in one layout:
+    `image_processor`, `video_processor` and the processor's own keys. Published checkpoints
+    keep the image processor in `preprocessor_config.json`, the video one in
+    `video_preprocessor_config.json` and only the processor's keys (SmolVLM's `image_seq_len`)
+    in `processor_config.json`; the embedded models nest all three in `processor_config.json`."""
+    config: dict[str, Any] = {}
+    for name, key in (
+        ("preprocessor_config.json", "image_processor"),
+        ("video_preprocessor_config.json", "video_processor"),
+    ):
         path = Path(model_path) / name
         if path.is_file():
-            config: dict[str, Any] = json.loads(path.read_text())
-            return config
-    return {}
+            config[key] = json.loads(path.read_text())
+    path = Path(model_path) / "processor_config.json"
+    if path.is_file():
+        config.update(json.loads(path.read_text()))
+    if "image_processor" in config and "video_processor" not in config:
+        # Qwen2-VL's published layout: one preprocessor config for images and clips.
+        config["video_processor"] = config["image_processor"]
+    return config
 
 
 @dataclass(frozen=True)
@@ -159,22 +174,40 @@ class ChunkFinished:
     report: SessionReport | None = None
 
 
-def chat_format_of(engine: Any) -> ChatFormat:
+def load_chat_template(chat_template: str) -> str:
+    """`serve --chat-template`, as vLLM reads it: a file's text, else the template itself."""
+    path = Path(chat_template).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template's text may be no valid path at all
+        pass
+    if not any(c in chat_template for c in "{}\n"):
+        raise ChatFormatError(f"--chat-template {chat_template!r}: no such file")
+    return chat_template
+
+
+def chat_format_of(engine: Any, chat_template: str | None = None) -> ChatFormat:
     """The served model's chat format: registered for an embedded model, else split from the
-    chat template vLLM resolves for it (the processor's or the tokenizer's). Raises
-    ChatFormatError, naming the model, when neither gives one: the server must not start."""
+    chat template (`chat_template`: `serve --chat-template`; else the one vLLM resolves for the
+    model, the processor's or the tokenizer's). Raises ChatFormatError, naming the model and
+    what to pass, when none gives one: the server must not start."""
     from realtime.models import registered_chat_format
 
     model = str(engine.model_config.model)
-    registered = registered_chat_format(model)
+    registered = registered_chat_format(model) if chat_template is None else None
     if registered is not None:
         return registered
     from vllm.renderers.hf import resolve_chat_template
 
     tokenizer = engine.get_tokenizer()
-    template = resolve_chat_template(tokenizer, None, None, model_config=engine.model_config)
+    given = load_chat_template(chat_template) if chat_template is not None else None
+    template = resolve_chat_template(tokenizer, given, None, model_config=engine.model_config)
     if template is None:
-        raise ChatFormatError(f"{model} has no chat template to write its prompts with")
+        raise ChatFormatError(
+            f"{model} has no chat template to write its prompts with; pass one with "
+            "--chat-template FILE"
+        )
 
     def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         text = tokenizer.apply_chat_template(
@@ -191,7 +224,9 @@ def chat_format_of(engine: Any) -> ChatFormat:
     try:
         return ChatFormat.from_template(render, strip_prefix=bos if adds_bos else None)
     except ChatFormatError as exc:
-        raise ChatFormatError(f"{model}: {exc}") from None
+        raise ChatFormatError(
+            f"{model}: {exc}; pass a template whose turns split (--chat-template FILE)"
+        ) from None
 
 
 def render_chunk(
@@ -202,6 +237,8 @@ def render_chunk(
     first: bool,
     multimodal: bool,
     after_reply: bool | None = None,
+    max_frame_pixels: int | None = None,
+    processor_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The engine prompt for one chunk, in the served model's chat format (`chat`).
 
@@ -211,16 +248,30 @@ def render_chunk(
     the first). An ingested chunk (`frame.reply` false) is a user turn only, closed: the one
     token the engine samples to end it never enters the context, so nothing is left open and
     the next chunk starts straight with its own turn. N ingested frames and a question are
-    thus N + 1 consecutive user turns, then the assistant's."""
+    thus N + 1 consecutive user turns, then the assistant's.
+
+    A frame over `max_frame_pixels` is resized down to it; the prompt then says so under
+    `RESIZED_KEY` (a `FrameResize`, for response.done; the caller pops it). `processor_kwargs`:
+    the frame's `mm_processor_kwargs` (the same cap, told to the processor)."""
     if after_reply is None:
         after_reply = not first
     mm: dict[str, Any] = {}
+    resized: FrameResize | None = None
     content = "" if frame.kind != "text" else frame.text or ""
     if frame.prompt:
         content += ("\n" if frame.kind == "text" else "") + frame.prompt
     media = None if frame.kind == "text" else frame.kind
     if media is not None:
-        mm[media] = decode_image(frame.data) if media == "image" else decode_clip(frame.data)
+        if media == "image":
+            mm[media] = decode_image(frame.data, max_pixels=max_frame_pixels)
+            sizes = _image_size(frame.data), mm[media].size
+        else:
+            mm[media] = decode_clip(frame.data, max_frame_pixels=max_frame_pixels)
+            sizes = _clip_size(frame.data), tuple(reversed(mm[media][0].shape[1:3]))
+        if sizes[0] is not None and tuple(sizes[0]) != tuple(sizes[1]):
+            resized = FrameResize(
+                from_size=sizes[0], to_size=sizes[1], max_frame_pixels=max_frame_pixels or 1
+            )
         if not multimodal:
             raise InvalidEvent("this server's model takes text only; open a 'text' session")
         if (chat.image if media == "image" else chat.video) is None:
@@ -229,13 +280,37 @@ def render_chunk(
         content,
         media=media,
         instructions=config.instructions if first else None,
+        first=first,
         close_reply=after_reply and not first,
         reply=frame.reply,
     )
     prompt: dict[str, Any] = {"prompt": text}
     if mm:
         prompt["multi_modal_data"] = mm
+        if processor_kwargs:
+            prompt["mm_processor_kwargs"] = processor_kwargs
+    if resized is not None:
+        prompt[RESIZED_KEY] = resized
     return prompt
+
+
+RESIZED_KEY = "vllm_realtime_resized"
+"""Where `render_chunk` says a frame was resized (popped before the prompt reaches vLLM)."""
+
+
+def _image_size(data: bytes) -> tuple[int, int] | None:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:  # decoded before: it opens
+        return img.width, img.height
+
+
+def _clip_size(data: bytes) -> tuple[int, int] | None:
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        return stream.codec_context.width, stream.codec_context.height
 
 
 def whole_chunks(snapshot: SessionSnapshot) -> SessionSnapshot:

@@ -31,6 +31,7 @@ from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_o
 from realtime.compute import ChunkCost, ChunkKind, ChunkTiming, CostModel
 from realtime.config import ServerConfig
 from realtime.engine_session import (
+    RESIZED_KEY,
     ChunkDelta,
     ChunkFinished,
     EngineFacts,
@@ -48,6 +49,7 @@ from realtime.structured import validate_format
 from vllm_realtime_protocol import (
     EngineError,
     Frame,
+    FrameResize,
     InvalidEvent,
     InvalidRequestError,
     Limits,
@@ -132,15 +134,21 @@ def storable_frames(engine: Any) -> dict[str, int] | None:
 
 
 def decode_stored_frames(
-    stored: StoredSession, frames: dict[int, bytes]
+    stored: StoredSession, frames: dict[int, bytes], max_frame_pixels: int | None = None
 ) -> dict[int, tuple[str, Any]]:
-    """A stored video session's retained frames, decoded as the live session decoded them."""
+    """A stored video session's retained frames, decoded as the live session decoded them
+    (resized to its frame cap)."""
     media: dict[int, tuple[str, Any]] = {}
     for index, kind in stored.media.items():
         data = frames.get(index)
         if data is None:
             raise EngineError(f"the session's record lacks the frame of segment {index}")
-        media[index] = (kind, decode_image(data) if kind == "image" else decode_clip(data))
+        decoded = (
+            decode_image(data, max_pixels=max_frame_pixels)
+            if kind == "image"
+            else decode_clip(data, max_frame_pixels=max_frame_pixels)
+        )
+        media[index] = (kind, decoded)
     return media
 
 
@@ -209,9 +217,13 @@ class SessionHub:
         self.max_position = facts.max_position
         if config.retention_max_position is not None:
             self.max_position = min(self.max_position, config.retention_max_position)
-        # Tokens a frame's image or clip can add beyond its text (the processor's max pixels).
+        # Tokens a frame's image or clip can add beyond its text (the frame cap, else the
+        # processor's max pixels).
+        self.processor_config = facts.processor_config
         self.media: MediaBounds | None = (
-            media_bounds_or_default(facts.processor_config) if self.multimodal else None
+            media_bounds_or_default(facts.processor_config, config.max_frame_pixels)
+            if self.multimodal
+            else None
         )
         self.tokenizer: Any = None
         self._reply_close_tokens: int | None = None
@@ -269,10 +281,11 @@ class SessionHub:
             usable_blocks=self.usable_blocks,
             media=self.media,
             engine_slots=self.engine_slots,
+            processor_config=self.processor_config,
         )
         self.tokenizer = self.engine.get_tokenizer()
         # A template the server cannot write chunks with stops the start-up here (not guessed).
-        self._chat = chat_format_of(self.engine)
+        self._chat = chat_format_of(self.engine, self.config.chat_template)
         self.metrics.kv_blocks_total.set(self.usable_blocks)
         self.metrics.kv_block_size.set(self.block_size)
         default = SessionConfig(modality="video" if self.multimodal else "text")
@@ -309,6 +322,7 @@ class SessionHub:
             max_chunk_tokens=self.config.max_chunk_tokens,
             max_instructions_tokens=self.config.max_instructions_tokens,
             max_clip_frames=MAX_CLIP_FRAMES if self.multimodal else None,
+            max_frame_pixels=self.config.max_frame_pixels if self.multimodal else None,
             server_version=__version__,
             model=self.model_name,
         )
@@ -351,11 +365,13 @@ class SessionHub:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _instructions_tokens(self, config: SessionConfig) -> int:
-        if not config.instructions:
+        # The opening as render_chunk writes it: the system turn, else the template's preamble.
+        opening = self.chat.opening(config.instructions)
+        if not opening:
             return 0
-        # The system turn as render_chunk writes it.
-        n = self.count_tokens(self.chat.system_turn(config.instructions))
-        self.admission.check_instructions(n)
+        n = self.count_tokens(opening)
+        if config.instructions:
+            self.admission.check_instructions(n)
         return n
 
     def reserved_total(self) -> int:
@@ -458,7 +474,12 @@ class SessionHub:
             if stored.snapshot is not None:
                 media = None
                 if stored.config.modality == "video":
-                    media = await asyncio.to_thread(decode_stored_frames, stored, frames or {})
+                    media = await asyncio.to_thread(
+                        decode_stored_frames,
+                        stored,
+                        frames or {},
+                        self.admission.frame_cap(stored.config),
+                    )
                 tokens = await record.engine_session.restore(
                     stored.snapshot,
                     chunks=stored.chunks,
@@ -553,6 +574,7 @@ class SessionHub:
         usage = Usage()
         timing = Timing()
         error: RealtimeError | None = None
+        resized: FrameResize | None = None
         try:
             params = self.chunk_params(es, config, frame)
             prompt = await asyncio.to_thread(
@@ -563,7 +585,10 @@ class SessionHub:
                 first=es.chunks == 0,
                 multimodal=self.multimodal,
                 after_reply=es.turn_open,
+                max_frame_pixels=self.admission.frame_cap(config),
+                processor_kwargs=self.admission.frame_processor_kwargs(config),
             )
+            resized = prompt.pop(RESIZED_KEY, None)
             self.check_chunk(record, frame, prompt)
             queue_ms = (time.perf_counter() - started) * 1e3
             async for item in self._measured(es, prompt, params, frame):
@@ -603,6 +628,7 @@ class SessionHub:
             usage=usage,
             timing=timing,
             retention=retention,
+            resized=resized,
         )
         return TurnOutcome(done, error)
 

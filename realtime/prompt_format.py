@@ -8,6 +8,13 @@ register their format (realtime/models); any other model's comes from its templa
 template that cannot be split this way is refused at start-up (`ChatFormatError`), never
 guessed. A model whose template writes no image placeholder serves text sessions only.
 
+Published templates differ in ways the split allows for: contents read as lists of parts only
+(SmolVLM), a conversation opened once rather than each turn (SmolVLM's `<|im_start|>`), a
+generation prompt that is a prefix of a past reply's opening (`Assistant:` against
+`Assistant: `), a user turn that opens differently when it starts with an image, and a default
+system turn written when the conversation has none (Qwen2-VL, SmolLM2): the first chunk without
+instructions starts with that `preamble`, so the prompt equals the template's own.
+
 Pure: rendering is a callable given by the caller (the tokenizer's `apply_chat_template`).
 """
 
@@ -49,9 +56,19 @@ class ChatFormat:
     """The text vLLM's processor expands into an image's tokens; None: no images."""
     video: str | None = None
     """The same for a clip; None: no clips."""
+    preamble: str = ""
+    """What a first chunk without instructions starts with: the template's default system turn
+    or its conversation opening ("" when it writes none)."""
+    media_user_open: str | None = None
+    """The user turn's opening when the turn starts with media (None: `user_open`)."""
 
     def system_turn(self, instructions: str) -> str:
         return f"{self.system_open}{instructions}{self.system_close}"
+
+    def opening(self, instructions: str | None) -> str:
+        """What a session's first chunk starts with: its instructions' system turn, else the
+        template's preamble. Counted at open and pinned with the first chunk."""
+        return self.system_turn(instructions) if instructions else self.preamble
 
     def placeholder(self, kind: MediaKind) -> str:
         text = self.image if kind == "image" else self.video
@@ -65,20 +82,23 @@ class ChatFormat:
         *,
         media: MediaKind | None = None,
         instructions: str | None = None,
+        first: bool = False,
         close_reply: bool = False,
         reply: bool = False,
     ) -> str:
-        """One chunk: the instructions' system turn (`instructions`: a first chunk's) or the
-        close of the previous reply's turn (`close_reply`), then a user turn with the media
-        placeholder and `content`, then the open assistant turn if the chunk is answered."""
+        """One chunk: a first chunk's opening (`first`: its `instructions`' system turn, else
+        the preamble) or the close of the previous reply's turn (`close_reply`), then a user
+        turn with the media placeholder and `content`, then the open assistant turn if the
+        chunk is answered."""
         parts: list[str] = []
-        if instructions:
-            parts.append(self.system_turn(instructions))
+        if first or instructions:
+            parts.append(self.opening(instructions))
         elif close_reply:
             parts.append(self.assistant_close)
-        parts.append(self.user_open)
         if media is not None:
-            parts.append(self.placeholder(media))
+            parts += [self.media_user_open or self.user_open, self.placeholder(media)]
+        else:
+            parts.append(self.user_open)
         parts += [content, self.user_close]
         if reply:
             parts.append(self.assistant_open)
@@ -91,42 +111,96 @@ class ChatFormat:
         `strip_prefix`: text the template puts before the first turn that the tokenizer adds by
         itself (a BOS token), so it is not written twice. Raises ChatFormatError when the
         template renders turns that do not split into the same open/close strings everywhere
-        (the only thing this module could then do is guess)."""
-        system = {"role": "system", "content": _SYSTEM}
-        user = {"role": "user", "content": _USER}
-        assistant = {"role": "assistant", "content": _ASSISTANT}
-        again = {"role": "user", "content": _USER_AGAIN}
+        (the only thing this module could then do is guess). Contents are probed as strings,
+        then as lists of text parts (templates that read lists only)."""
         try:
-            full = render([system, user, assistant, again], True)
-            after_assistant = render([system, user, assistant], False)
-            after_user = render([system, user], False)
-        except Exception as exc:  # a template may raise anything (jinja, its own checks)
-            raise ChatFormatError(f"the chat template cannot render a probe: {exc}") from exc
-        cuts = _cut(full, [_SYSTEM, _USER, _ASSISTANT, _USER_AGAIN])
-        system_open, system_to_user, user_to_assistant, assistant_to_user, generation = cuts
-        user_close = _tail(after_user, full, _USER)
-        assistant_close = _tail(after_assistant, full, _ASSISTANT)
-        assistant_open = _after_prefix(user_to_assistant, user_close, "the user turn's close")
-        user_open = _after_prefix(assistant_to_user, assistant_close, "the reply turn's close")
-        if not system_to_user.endswith(user_open):
-            raise ChatFormatError("the user turn opens differently after a system turn")
-        system_close = system_to_user[: len(system_to_user) - len(user_open)]
-        if generation != user_close + assistant_open:
-            raise ChatFormatError("the generation prompt is not the assistant turn's opening")
-        if strip_prefix and system_open.startswith(strip_prefix):
-            system_open = system_open[len(strip_prefix) :]
-        if not (system_open and user_open and assistant_open):
+            turns = _split_turns(render, as_list=False)
+        except ChatFormatError as exc:
+            try:
+                turns = _split_turns(render, as_list=True)
+            except ChatFormatError as as_list:
+                raise ChatFormatError(f"{exc}; with list contents: {as_list}") from None
+        if strip_prefix:
+            for key in ("system_open", "preamble"):
+                if turns[key].startswith(strip_prefix):
+                    turns[key] = turns[key][len(strip_prefix) :]
+        if not (turns["system_open"] and turns["user_open"] and turns["assistant_open"]):
             raise ChatFormatError("the chat template writes no turn delimiters")
+        user_open = turns["user_open"]
+        image = _placeholder(render, "image")
+        video = _placeholder(render, "video")
+        if _media_open(user_open, image) is None:
+            image = None  # what it trimmed is no part of the user turn's opening: no placeholder
+        if _media_open(user_open, video) is None:
+            video = None
+        media_open = _media_open(user_open, image or video)
+        if video is not None and _media_open(user_open, video) != media_open:
+            video = None  # a clip's turn would open differently from an image's: images only
         return cls(
-            system_open=system_open,
-            system_close=system_close,
-            user_open=user_open,
-            user_close=user_close,
-            assistant_open=assistant_open,
-            assistant_close=assistant_close,
-            image=_placeholder(render, "image"),
-            video=_placeholder(render, "video"),
+            **turns,
+            image=image[1] if image else None,
+            video=video[1] if video else None,
+            media_user_open=media_open if media_open != user_open else None,
         )
+
+
+def _content(text: str, as_list: bool) -> Any:
+    return [{"type": "text", "text": text}] if as_list else text
+
+
+def _split_turns(render: Renderer, *, as_list: bool) -> dict[str, str]:
+    """The turn delimiters of the probe conversations, contents as strings or as lists."""
+    system = {"role": "system", "content": _content(_SYSTEM, as_list)}
+    user = {"role": "user", "content": _content(_USER, as_list)}
+    assistant = {"role": "assistant", "content": _content(_ASSISTANT, as_list)}
+    again = {"role": "user", "content": _content(_USER_AGAIN, as_list)}
+    try:
+        full = render([system, user, assistant, again], True)
+        after_assistant = render([system, user, assistant], False)
+        after_user = render([system, user], False)
+        user_only = render([user], False)
+    except Exception as exc:  # a template may raise anything (jinja, its own checks)
+        raise ChatFormatError(f"the chat template cannot render a probe: {exc}") from exc
+    cuts = _cut(full, [_SYSTEM, _USER, _ASSISTANT, _USER_AGAIN])
+    system_open, system_to_user, user_to_assistant, assistant_to_user, generation = cuts
+    user_close = _tail(after_user, full, _USER)
+    assistant_close = _tail(after_assistant, full, _ASSISTANT)
+    reply_open = _after_prefix(user_to_assistant, user_close, "the user turn's close")
+    user_open = _after_prefix(assistant_to_user, assistant_close, "the reply turn's close")
+    if not system_to_user.endswith(user_open):
+        raise ChatFormatError("the user turn opens differently after a system turn")
+    system_close = system_to_user[: len(system_to_user) - len(user_open)]
+    # The reply fills the generation prompt, which may be a prefix of a past reply's opening
+    # (SmolVLM: `Assistant:` against `Assistant: `; the model writes the space itself).
+    assistant_open = generation[len(user_close) :]
+    if not (
+        generation.startswith(user_close)
+        and assistant_open
+        and reply_open.startswith(assistant_open)
+    ):
+        raise ChatFormatError("the generation prompt is not the assistant turn's opening")
+    if user_only.count(_USER) != 1 or not user_only.split(_USER)[0].endswith(user_open):
+        raise ChatFormatError("the user turn opens differently without a system turn")
+    head = user_only.split(_USER)[0]
+    return {
+        "system_open": system_open,
+        "system_close": system_close,
+        "user_open": user_open,
+        "user_close": user_close,
+        "assistant_open": assistant_open,
+        "assistant_close": assistant_close,
+        "preamble": head[: len(head) - len(user_open)],
+    }
+
+
+def _media_open(user_open: str, found: tuple[str, str] | None) -> str | None:
+    """The user turn's opening before media, from `_placeholder`'s trimmed tail."""
+    if found is None:
+        return None
+    trim = found[0]
+    if trim and not user_open.endswith(trim):
+        return None
+    return user_open[: len(user_open) - len(trim)]
 
 
 def _cut(text: str, sentinels: list[str]) -> list[str]:
@@ -158,9 +232,10 @@ def _after_prefix(text: str, prefix: str, what: str) -> str:
     return text[len(prefix) :]
 
 
-def _placeholder(render: Renderer, kind: MediaKind) -> str | None:
-    """What the template writes for one image (or clip) before a user turn's text; None when
-    it writes nothing, or cannot render a list content (a text-only template)."""
+def _placeholder(render: Renderer, kind: MediaKind) -> tuple[str, str] | None:
+    """What the template writes for one image (or clip) before a user turn's text, with what it
+    no longer writes of the user turn's opening then (SmolVLM: `User: ` becomes `User:<image>`,
+    so " " is trimmed); None when it writes nothing, or cannot render a list content."""
     text_only = [{"role": "user", "content": [{"type": "text", "text": _USER}]}]
     with_media = [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": _USER}]}]
     try:
@@ -172,6 +247,14 @@ def _placeholder(render: Renderer, kind: MediaKind) -> str | None:
         return None
     cut = plain.index(_USER)
     head, tail = rendered.split(_USER)
-    if tail != plain[cut + len(_USER) :] or not head.startswith(plain[:cut]):
+    if tail != plain[cut + len(_USER) :]:
         return None
-    return head[cut:] or None
+    prefix = plain[:cut]
+    n = 0
+    while n < min(len(head), len(prefix)) and head[n] == prefix[n]:
+        n += 1
+    common = head[:n]
+    placeholder = head[len(common) :]
+    if not placeholder:
+        return None
+    return plain[len(common) : cut], placeholder

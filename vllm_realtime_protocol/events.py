@@ -288,6 +288,13 @@ class ChunkLimits(_Inbound):
         description="Most frames of one video clip (an image counts as one), at most the "
         "server's limits.max_clip_frames; 1: single images only.",
     )
+    max_frame_pixels: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most pixels (width × height) of one image or clip frame, at most the "
+        "server's limits.max_frame_pixels; a larger one is resized down to it (response.done "
+        "says so). Admission reserves a frame's tokens from it; null: the server's cap.",
+    )
     frames_per_s: float = Field(
         default=1.0,
         gt=0.0,
@@ -536,6 +543,12 @@ class Limits(_Outbound):
         description="Most frames of one video clip a session may declare "
         "(session.open.limits.max_clip_frames; undeclared: single images); null: no clips.",
     )
+    max_frame_pixels: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most pixels (width × height) of one image or clip frame the model gets; a "
+        "larger one is resized down to it, its aspect kept; null: the model takes no frames.",
+    )
     server_version: str = Field(description="Version of the vllm-realtime server.")
     model: str = Field(description="Name of the model this server serves.")
     protocol_version: str = Field(
@@ -666,6 +679,14 @@ class ResponseTextDeltaEvent(_ServerEventBase):
     delta: str = Field(description="Text appended to the reply.")
 
 
+class FrameResize(_Outbound):
+    """A chunk's image (or its clip's frames) resized down to the session's frame cap."""
+
+    from_size: tuple[int, int] = Field(description="Width and height the client sent, pixels.")
+    to_size: tuple[int, int] = Field(description="Width and height the model got, pixels.")
+    max_frame_pixels: int = Field(ge=1, description="The cap it was resized to fit.")
+
+
 class ResponseDoneEvent(_ServerEventBase):
     """``response.done``: the reply to a chunk ended; sent exactly once per accepted chunk."""
 
@@ -684,6 +705,11 @@ class ResponseDoneEvent(_ServerEventBase):
     timing: Timing = Field(default_factory=Timing, description="Latencies of the reply.")
     retention: RetentionState = Field(
         default_factory=RetentionState, description="Context state after the reply."
+    )
+    resized: FrameResize | None = Field(
+        default=None,
+        description="The chunk's frame was larger than limits.max_frame_pixels and was resized "
+        "down to it; null: sent as is (or a text chunk).",
     )
 
 

@@ -101,6 +101,7 @@ from vllm_realtime_protocol.events import (
     ClientEvent,
     CloseReason,
     FrameAppendEvent,
+    FrameResize,
     InputAckEvent,
     Limits,
     ResponseCancelEvent,
@@ -592,6 +593,7 @@ class SessionProtocol:
         usage: Usage | None = None,
         timing: Timing | None = None,
         retention: RetentionState | None = None,
+        resized: FrameResize | None = None,
     ) -> ResponseDoneEvent:
         """The reply in flight ended; return its response.done (also while draining in CLOSED)."""
         nxt = self._next_state(Input.RESPONSE_DONE)
@@ -610,6 +612,7 @@ class SessionProtocol:
             usage=usage or Usage(),
             timing=timing or Timing(),
             retention=retention or RetentionState(),
+            resized=resized,
         )
         if self._state is State.PARKED_AWAITING_RESPONSE:
             self.missed_response = done  # nobody to send it to: session.resumed carries it

@@ -227,6 +227,10 @@ export interface ChunkLimits {
    */
   max_clip_frames?: number;
   /**
+   * Most pixels (width × height) of one image or clip frame, at most the server's limits.max_frame_pixels; a larger one is resized down to it (response.done says so). Admission reserves a frame's tokens from it; null: the server's cap.
+   */
+  max_frame_pixels?: number | null;
+  /**
    * Chunks per second this session sends at most: admission reserves engine time for this pace (1.0: a camera's pace).
    */
   frames_per_s?: number;
@@ -435,6 +439,10 @@ export interface Limits {
    */
   max_clip_frames: number | null;
   /**
+   * Most pixels (width × height) of one image or clip frame the model gets; a larger one is resized down to it, its aspect kept; null: the model takes no frames.
+   */
+  max_frame_pixels: number | null;
+  /**
    * Version of the vllm-realtime server.
    */
   server_version: string;
@@ -612,6 +620,10 @@ export interface EffectiveChunkLimits {
    */
   max_clip_frames: number;
   /**
+   * Most pixels (width × height) of one image or clip frame, at most the server's limits.max_frame_pixels; a larger one is resized down to it (response.done says so). Admission reserves a frame's tokens from it; null: the server's cap.
+   */
+  max_frame_pixels: number | null;
+  /**
    * Chunks per second this session sends at most: admission reserves engine time for this pace (1.0: a camera's pace).
    */
   frames_per_s: number;
@@ -739,6 +751,10 @@ export interface ResponseDoneEvent {
   usage: Usage;
   timing: Timing;
   retention: RetentionState;
+  /**
+   * The chunk's frame was larger than limits.max_frame_pixels and was resized down to it; null: sent as is (or a text chunk).
+   */
+  resized: FrameResize | null;
 }
 /**
  * Token counts of one reply.
@@ -794,6 +810,29 @@ export interface RetentionState {
    * Evictions (compactions) run so far.
    */
   consolidations: number;
+}
+/**
+ * A chunk's image (or its clip's frames) resized down to the session's frame cap.
+ */
+export interface FrameResize {
+  /**
+   * Width and height the client sent, pixels.
+   *
+   * @minItems 2
+   * @maxItems 2
+   */
+  from_size: [unknown, unknown];
+  /**
+   * Width and height the model got, pixels.
+   *
+   * @minItems 2
+   * @maxItems 2
+   */
+  to_size: [unknown, unknown];
+  /**
+   * The cap it was resized to fit.
+   */
+  max_frame_pixels: number;
 }
 /**
  * ``session.closed``: last event of a connection; the server closes the socket after it.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from realtime.models.tiny_vlm import VOCAB_SIZE, build_bpe_tokenizer
 
@@ -35,16 +36,21 @@ PATCH = 8
 SCALE_FACTOR = 2
 IMAGE_SEQ_LEN = (TILE // PATCH) ** 2 // SCALE_FACTOR**2  # <image> tokens per tile: 4
 
-_GRID = max(LONGEST_EDGE // TILE, 1)
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<end_of_utterance>",
-    "<fake_token_around_image>",
-    "<global-img>",
-    "<image>",
-    *(f"<row_{r}_col_{c}>" for r in range(1, _GRID + 1) for c in range(1, _GRID + 1)),
-]
+
+def special_tokens(grid: int) -> list[str]:
+    """The tokenizer's special tokens, with the row/column markers of up to grid × grid tiles."""
+    return [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<end_of_utterance>",
+        "<fake_token_around_image>",
+        "<global-img>",
+        "<image>",
+        *(f"<row_{r}_col_{c}>" for r in range(1, grid + 1) for c in range(1, grid + 1)),
+    ]
+
+
+SPECIAL_TOKENS = special_tokens(max(LONGEST_EDGE // TILE, 1))
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -59,27 +65,30 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_smolvlm(out: Path) -> None:
+def build_tiny_smolvlm(
+    out: Path,
+    *,
+    tile: int = TILE,
+    longest_edge: int = LONGEST_EDGE,
+    patch: int = PATCH,
+    scale_factor: int = SCALE_FACTOR,
+) -> None:
+    """Build the model; the keywords give other geometries (tests put a published processor
+    config on one with SmolVLM-256M's: 512-px tiles, patch 16, scale factor 4, 64 tokens)."""
     import torch
-    from transformers import (
-        AutoTokenizer,
-        SmolVLMConfig,
-        SmolVLMForConditionalGeneration,
-        SmolVLMImageProcessor,
-        SmolVLMProcessor,
-        SmolVLMVideoProcessor,
-    )
+    from transformers import AutoTokenizer, SmolVLMConfig, SmolVLMForConditionalGeneration
 
     out.mkdir(parents=True, exist_ok=True)
+    specials = special_tokens(max(longest_edge // tile, 1))
     build_bpe_tokenizer(
         out,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         chat_template=CHAT_TEMPLATE,
         eos_token="<end_of_utterance>",
         pad_token="<|endoftext|>",
     )
     tok = AutoTokenizer.from_pretrained(str(out))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
     text_config = {
         "model_type": "llama",
         "vocab_size": VOCAB_SIZE,
@@ -101,13 +110,13 @@ def build_tiny_smolvlm(out: Path) -> None:
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 2,
-        "image_size": TILE,
-        "patch_size": PATCH,
+        "image_size": tile,
+        "patch_size": patch,
     }
     config = SmolVLMConfig(
         text_config=text_config,
         vision_config=vision_config,
-        scale_factor=SCALE_FACTOR,
+        scale_factor=scale_factor,
         image_token_id=ids["<image>"],
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
@@ -116,18 +125,30 @@ def build_tiny_smolvlm(out: Path) -> None:
     torch.manual_seed(0)  # reproducible weights: tests compare exact token ids across runs
     model = SmolVLMForConditionalGeneration(config).to(torch.float32)
     model.save_pretrained(str(out))
+    _save_processor(
+        out,
+        tok,
+        tile=tile,
+        longest_edge=longest_edge,
+        seq_len=(tile // patch) ** 2 // scale_factor**2,
+    )
+    gen = {"eos_token_id": ids["<end_of_utterance>"], "pad_token_id": ids["<|endoftext|>"]}
+    (out / "generation_config.json").write_text(json.dumps(gen))
+
+
+def _save_processor(out: Path, tok: Any, *, tile: int, longest_edge: int, seq_len: int) -> None:
+    from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
     sizes = {
-        "size": {"longest_edge": LONGEST_EDGE},
-        "max_image_size": {"longest_edge": TILE},
+        "size": {"longest_edge": longest_edge},
+        "max_image_size": {"longest_edge": tile},
         "do_image_splitting": True,
     }
     processor = SmolVLMProcessor(
         image_processor=SmolVLMImageProcessor(**sizes),
         video_processor=SmolVLMVideoProcessor(**sizes),
         tokenizer=tok,
-        image_seq_len=IMAGE_SEQ_LEN,
+        image_seq_len=seq_len,
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(str(out))
-    gen = {"eos_token_id": ids["<end_of_utterance>"], "pad_token_id": ids["<|endoftext|>"]}
-    (out / "generation_config.json").write_text(json.dumps(gen))

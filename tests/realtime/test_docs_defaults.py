@@ -31,6 +31,7 @@ def default_limits(model: str, multimodal: bool) -> dict[str, object]:
         "max_chunk_tokens": config.max_chunk_tokens,
         "max_instructions_tokens": config.max_instructions_tokens,
         "max_clip_frames": MAX_CLIP_FRAMES if multimodal else None,
+        "max_frame_pixels": config.max_frame_pixels if multimodal else None,
         "server_version": "0.1.0",
         "model": model,
         "protocol_version": "2026-12-01",
