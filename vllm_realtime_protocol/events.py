@@ -685,6 +685,13 @@ class ResponseDoneEvent(_ServerEventBase):
     retention: RetentionState = Field(
         default_factory=RetentionState, description="Context state after the reply."
     )
+    stored: bool | None = Field(
+        default=None,
+        description="Sessions kept in the session store: true when the session as of this "
+        "reply is in the store (another replica can resume it from here); false when the "
+        "store did not answer: the session goes on, resumable on this server only, until a "
+        "later reply says true. Null: the session is not kept in a store.",
+    )
 
 
 class SessionResumedEvent(_ServerEventBase):

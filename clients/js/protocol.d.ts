@@ -739,6 +739,10 @@ export interface ResponseDoneEvent {
   usage: Usage;
   timing: Timing;
   retention: RetentionState;
+  /**
+   * Sessions kept in the session store: true when the session as of this reply is in the store (another replica can resume it from here); false when the store did not answer: the session goes on, resumable on this server only, until a later reply says true. Null: the session is not kept in a store.
+   */
+  stored: boolean | null;
 }
 /**
  * Token counts of one reply.
