@@ -19,6 +19,8 @@ import contextlib
 import functools
 import gc
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -64,6 +66,8 @@ log = logging.getLogger("vllm_realtime")
 STATIC_DIR = Path(__file__).parent / "static"
 ENGINE_DEAD_EXIT_STATUS = 3
 """The server's exit status after its engine died (not 1: a crash of the server itself)."""
+ENGINE_DEAD_EXIT_DEADLINE_S = 20.0
+"""At most this long from the server's stop to its exit, once the engine died."""
 _redact_path = redact_path  # the name the security tests know
 
 
@@ -379,6 +383,14 @@ def run_server(config: ServerConfig, settings: Any) -> int:
     try:
         server.run()
     finally:
+        if shared.engine_dead_at is not None:
+            # Whatever of the dead engine's stop hangs, the process exits: a supervisor's
+            # restart policy is what brings the replica back.
+            deadline = threading.Timer(
+                ENGINE_DEAD_EXIT_DEADLINE_S, os._exit, (ENGINE_DEAD_EXIT_STATUS,)
+            )
+            deadline.daemon = True  # a normal exit does not wait for it
+            deadline.start()
         # Stop EngineCore and its worker (vLLM sends SIGTERM and waits); before, SIGTERM killed
         # the server first and left them running, reparented to init.
         for engine in engines:
