@@ -395,10 +395,12 @@ def run_server(config: ServerConfig, settings: Any) -> int:
         # the server first and left them running, reparented to init.
         for engine in engines:
             log.info("shutting the engine down")
+            stopping = time.monotonic()
             # vLLM's default grace (5 s) is shorter than its CPU worker's own exit (3-5 s seen),
             # after which the EngineCore was SIGKILLed; give them the time to exit cleanly. A
             # dead engine has nothing left to stop cleanly.
             engine.shutdown(timeout=15 if shared.engine_dead_at is None else 2)
+            log.info("engine shut down in %.1f s", time.monotonic() - stopping)
         # AsyncLLM.__del__ shuts down once more; left to the interpreter's teardown it ran with
         # vLLM's module globals already cleared and printed a TypeError traceback.
         dead = shared.engine_dead_at is not None

@@ -80,9 +80,10 @@ class RestartableRedis:
         """Stop it; `keep_data`: after a SAVE, so the next start loads what it held."""
         assert self.proc is not None
         if keep_data:
-            subprocess.run(
-                ["redis-cli", "-p", str(self.port), "save"], check=True, capture_output=True
-            )
+            import redis as sync_redis
+
+            with sync_redis.Redis(port=self.port) as client:
+                client.save()
         else:
             (self.dir / "dump.rdb").unlink(missing_ok=True)
         self.proc.kill()  # no goodbye, no save at shutdown
@@ -365,7 +366,8 @@ async def test_the_engine_dies_and_its_sessions_go_on_elsewhere(
         f"{alive()} at {gone:.1f} s"
     )
     assert status == ENGINE_DEAD_EXIT_STATUS, a.log.read_text()[-3000:]
-    assert alive() == [] and gone < 10
+    assert alive() == [] and gone - exited < 10
+    assert exited < 60  # the server stops within about a second; a timer bounds the rest (20 s)
     log = a.log.read_text()
     assert log.count("engine died: session handed over") == 2, log[-3000:]
     assert await redis_client.keys("vrt:session:*") == []
