@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -125,10 +126,10 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         session_store=args.session_store,
         max_frame_pixels=args.max_frame_pixels or None,
         chat_template=args.chat_template,
+        keep_alive_on_engine_death=args.keep_alive_on_engine_death,
     )
     settings = settings.with_overrides(max_frame_pixels=config.max_frame_pixels)
-    run_server(config, settings)
-    return 0
+    return run_server(config, settings)
 
 
 def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
@@ -260,6 +261,14 @@ def _add_operation_flags(serve: argparse.ArgumentParser) -> None:
         metavar="redis://HOST:PORT/DB",
         help="keep resumable sessions in this Redis, so any replica can resume them "
         "(docs/scale-out.md); default: in this process only",
+    )
+    # Engine death (issue #50): exit by default, so a restart policy brings the replica back.
+    serve.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        default=os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0"),
+        help="stay up after the engine died (503 on /health, engine_error to new sessions) "
+        "instead of exiting with status 3; default from VLLM_KEEP_ALIVE_ON_ENGINE_DEATH",
     )
 
 

@@ -67,6 +67,10 @@ class ServerConfig:
     # bounded text sessions are written there at every fold and any replica can resume them.
     # None: resumable sessions live in this process only.
     session_store: str | None = None
+    # The engine died: False exits (ENGINE_DEAD_EXIT_STATUS) once sessions are handed over or
+    # closed, so a supervisor restarts the replica; True stays up (503 on /health), as vLLM's
+    # VLLM_KEEP_ALIVE_ON_ENGINE_DEATH does.
+    keep_alive_on_engine_death: bool = False
     # Browser credentials (POST /v1/realtime/client_secrets): default and longest lifetime.
     client_secret_ttl_s: float = 60.0
     max_client_secret_ttl_s: float = 600.0

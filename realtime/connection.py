@@ -20,7 +20,7 @@ from starlette.websockets import WebSocketState
 from realtime.drain import Lifecycle
 from realtime.hub import SessionHub, SessionRecord
 from realtime.resumption import ResumeTokens, new_token
-from realtime.session_store import MediaKind, StoredSession, held_media
+from realtime.session_store import MediaKind, StoredSession, digest, held_media
 from vllm_realtime_protocol import (
     AwaitBinary,
     CancelResponse,
@@ -141,6 +141,18 @@ class Connection:
         self.media_next = 0
         self.frames_unwritten: dict[int, bytes] = {}
         self.frames_to_drop: set[int] = set()
+        # Store outages (docs/reliability.md): whether the record in the store is at the last
+        # fold (False: a write failed; the keeper rewrites `last_state` once Redis answers),
+        # and what rewrites the whole record if Redis restarts without it: the current token's
+        # digest, the Redis run id of the last write, every retained frame's bytes.
+        self.store_ok = True
+        self.last_state: StoredSession | None = None
+        self.token_digest: str | None = None
+        self.store_run: str | None = None
+        self.frames_held: dict[int, bytes] = {}
+        # The engine died under this stored session: it is handed over, and the chunk in
+        # flight gets no response.done here (the client sends it again after the resume).
+        self.lost_engine = False
 
     async def send(self, event: ServerEvent) -> None:
         if isinstance(event, ErrorEvent):
@@ -449,9 +461,19 @@ class Connection:
     async def _store_open(self, token: str) -> None:
         store = self.hub.store
         assert store is not None
-        self.fence = await store.create(
-            self.proto.session_id, self.owner, token, self._grace(), self._stored_state()
-        )
+        state = self._stored_state()
+        try:
+            run = await store.run_id()
+            fence = await store.create(
+                self.proto.session_id, self.owner, token, self._grace(), state
+            )
+        except Exception as exc:
+            # The store is down at the open: the session is served, resumable on this replica
+            # only (its replies' `stored` stays null), as if opened without a store.
+            log.warning("session store unreachable at open: %s", type(exc).__name__)
+            return
+        self.fence, self.store_run, self.last_state = fence, run, state
+        self.token_digest = digest(token)
         self.keeper = asyncio.create_task(self._keep_lease())
 
     def _stored_state(self, frame: Frame | None = None) -> StoredSession:
@@ -468,10 +490,13 @@ class Connection:
         media, new_index = held_media(self.media, snapshot, self.media_next, kind)
         if new_index is not None and frame is not None:
             self.frames_unwritten[new_index] = frame.data
+            self.frames_held[new_index] = frame.data
         gone = {i for i in (*self.media, *self.frames_unwritten) if i not in media}
         for i in gone:
             if self.frames_unwritten.pop(i, None) is None:
                 self.frames_to_drop.add(i)
+        for i in [i for i in self.frames_held if i not in media]:
+            del self.frames_held[i]
         self.media = media
         if snapshot is not None:
             self.media_next = snapshot.next_index
@@ -515,8 +540,10 @@ class Connection:
             return None
         assert self.resume_tokens is not None
         local = self.resume_tokens.holder(action.session_id)
+        run = await self._run_id()
         if local is not None and not local.closed:
             local.fence = claim.fence  # the same replica takes it back: no rebuild
+            local.token_digest, local.store_run = digest(token), run
             return local, token, None
         started = time.perf_counter()
         try:
@@ -541,7 +568,10 @@ class Connection:
         holder.proto = record.protocol
         holder.record = record
         holder.fence = claim.fence
+        holder.token_digest, holder.store_run = digest(token), run
+        holder.last_state = claim.stored
         holder.media = dict(claim.stored.media)  # their bytes are in the store already
+        holder.frames_held = dict(claim.frames)
         snapshot = claim.stored.snapshot
         holder.media_next = 0 if snapshot is None else snapshot.next_index
         holder.parked = True  # take_over attaches it, as a parked one
@@ -568,13 +598,70 @@ class Connection:
             await asyncio.sleep(period)
             try:
                 held = await store.refresh(self.proto.session_id, self.fence, self._grace())
+                if held and not self.store_ok:
+                    await self._rewrite()  # Redis is back: the folds it missed, at once
+                elif not held:
+                    held = await self._recreate_if_lost()
             except Exception as exc:  # the store is down: keep serving, try again
-                log.warning("session store refresh failed: %s", type(exc).__name__)
+                if self.store_ok:
+                    log.warning("session store refresh failed: %s", type(exc).__name__)
+                self.store_ok = False
                 continue
             if not held:
                 self.keeper = None  # _let_go's finish must not cancel the task it runs in
                 await self._let_go()
                 return
+
+    async def _run_id(self) -> str | None:
+        store = self.hub.store
+        try:
+            return None if store is None else await store.run_id()
+        except Exception:
+            return None
+
+    async def _rewrite(self) -> None:
+        """Write the last fold again (a write failed while the store was down)."""
+        async with self.store_lock:
+            if not self.store_ok and self.last_state is not None:
+                await self._write(self.last_state)
+
+    async def _recreate_if_lost(self, *, locked: bool = False) -> bool:
+        """The fenced call was refused. If Redis restarted without this session's hash, write
+        it whole again and go on holding it (True); else another replica holds it (False).
+        `locked`: the caller holds `store_lock`."""
+        store = self.hub.store
+        if store is None or self.fence is None or self.token_digest is None:
+            return False
+        if self.last_state is None or not await store.lost(self.proto.session_id, self.store_run):
+            return False
+        if locked:
+            return await self._recreate()
+        async with self.store_lock:
+            return await self._recreate()
+
+    async def _recreate(self) -> bool:
+        store = self.hub.store
+        assert store is not None and self.fence is not None and self.token_digest is not None
+        assert self.last_state is not None
+        run = await store.run_id()
+        done = await store.recreate(
+            self.proto.session_id,
+            self.owner,
+            self.token_digest,
+            self.fence,
+            self._grace(),
+            self.last_state,
+            self.frames_held,
+        )
+        if done:
+            self.store_run, self.store_ok = run, True
+            self.frames_unwritten.clear()
+            self.frames_to_drop.clear()
+            log.info(
+                "session store restarted without id=%s: its record is written again",
+                self.proto.session_id[:12],
+            )
+        return bool(done)
 
     async def _let_go(self) -> None:
         """Another replica claimed this session: stop serving it here, write nothing more."""
@@ -594,15 +681,18 @@ class Connection:
         if self.fence is None or store is None:
             return True
         try:
-            return bool(await store.refresh(self.proto.session_id, self.fence, self._grace()))
+            if await store.refresh(self.proto.session_id, self.fence, self._grace()):
+                return True
+            return await self._recreate_if_lost()
         except Exception:
+            self.store_ok = False
             return True  # the store is down: the fenced write after the fold still guards
 
-    async def _persist(self, state: StoredSession) -> None:
-        """Write a fold's state (`state`, taken right after the turn)."""
+    async def _persist(self, state: StoredSession) -> bool:
+        """Write a fold's state (`state`, taken right after the turn); whether it is stored."""
         self.store_seq += 1
         async with self.store_lock:
-            await self._write(state)
+            return await self._write(state)
 
     async def _persist_consolidated(self, state: StoredSession) -> None:
         """Once more after an idle consolidation (the snapshot then holds the consolidated
@@ -620,9 +710,12 @@ class Connection:
                     )
 
     async def _write(self, state: StoredSession) -> bool:
+        """Write `state` (fenced); whether the store now holds it. A store that does not
+        answer: False, and the session goes on (`store_ok` False until a write succeeds)."""
         store = self.hub.store
         if store is None or self.fence is None:
             return False
+        self.last_state = state
         frames, drop = dict(self.frames_unwritten), set(self.frames_to_drop)
         try:
             ok = await store.write(
@@ -633,13 +726,20 @@ class Connection:
                 frames=frames,
                 drop_frames=sorted(drop),
             )
+            if not ok and await self._recreate_if_lost(locked=True):
+                return True  # written whole (last_state is this state)
         except Exception as exc:
-            log.warning("session store write failed: %s", type(exc).__name__)
+            if self.store_ok:
+                log.warning("session store write failed: %s", type(exc).__name__)
+            self.store_ok = False
             return False
         if ok:
             for i in frames:
                 self.frames_unwritten.pop(i, None)
             self.frames_to_drop -= drop
+            if not self.store_ok:
+                log.info("session store written again id=%s", self.proto.session_id[:12])
+            self.store_ok = True
         self.hub.metrics.store_bytes_per_fold.observe(store.bytes_written_last)
         if not ok:
             await self._let_go()
@@ -660,12 +760,20 @@ class Connection:
             outcome = await self.hub.run_turn(
                 self.record, frame, on_delta=self.send, cancelled=self.cancelled
             )
+            if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
+                log.error("engine is down; ending session id=%s", self.proto.session_id[:12])
+                if await self.hand_over_lost_engine():
+                    return
             stored = None
+            done = outcome.done
             if self.fence is not None and outcome.close_reason is None:
                 # Written before response.done: a client that has its reply can resume it.
                 stored = self._stored_state(frame)
-                await self._persist(stored)
-            await self.send(outcome.done)
+                written = await self._persist(stored)
+                done = done.model_copy(update={"stored": written})
+                if self.proto.missed_response is outcome.done:
+                    self.proto.missed_response = done
+            await self.send(done)
             if stored is not None:
                 await self._persist_consolidated(stored)
             if outcome.error is not None:
@@ -700,6 +808,23 @@ class Connection:
         if self.turn is None or self.turn.done():
             await self.finish(self.proto.server_close("server_shutdown"))
 
+    async def hand_over_lost_engine(self) -> bool:
+        """The engine died. A session whose record in the store is at its last fold is handed
+        over as a drain hands it over (`server.draining` with `handover`, `session.closed`
+        `server_shutdown`, the record kept), so the client resumes it on another replica; the
+        chunk in flight gets no response.done here: the resumed session's `next_frame_index`
+        is that chunk's, and the client sends it again. False: not stored, or the store missed
+        a fold (the caller ends it with engine_error)."""
+        if self.closed:
+            return self.lost_engine
+        if self.fence is None or not self.store_ok:
+            return False
+        self.draining = self.lost_engine = True
+        log.warning("engine died: session handed over id=%s", self.proto.session_id[:12])
+        await self.send(ServerDrainingEvent(seconds_left=0.0, handover=True))
+        await self.finish(self.proto.server_close("server_shutdown"), socket_gone=self.parked)
+        return True
+
     async def close_for_shutdown(self) -> None:
         """The drain's deadline passed: cancel the reply in flight and close."""
         await self.finish(self.proto.server_close("server_shutdown"))
@@ -730,8 +855,9 @@ class Connection:
             turn.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await turn
-        if self.proto.in_flight is not None:
-            # An accepted chunk always gets its response.done, even when the session ends.
+        if self.proto.in_flight is not None and not self.lost_engine:
+            # An accepted chunk always gets its response.done, even when the session ends
+            # (but for a dead engine's hand-over: the chunk is sent again after the resume).
             failed = close is not None and close.reason == "engine_error"
             status: ResponseStatus = "failed" if failed else "cancelled"
             reason = close.reason if close is not None else "disconnect"

@@ -4,14 +4,23 @@ Every route is a thin transport over one `SessionHub` (realtime/hub.py: the one 
 registry, admission, the turn runner): `/v1/realtime` (WebSocket, realtime/connection.py), the
 HTTP adapter (realtime/http_api.py), plus `/health`, `/metrics`, client secrets and the demo
 page. Fail-closed: an engine failure closes every session with an `error`; shutdown drains.
+
+A dead engine (docs/reliability.md): stored sessions are handed over (`server.draining` with
+`handover`, their record kept), the others get `engine_error`; then the process exits with
+`ENGINE_DEAD_EXIT_STATUS`, so a supervisor's restart policy brings the replica back, unless
+`--keep-alive-on-engine-death` (vLLM's `VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`) keeps it up, answering
+503 on /health and `engine_error` to new sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -55,6 +64,10 @@ __all__ = ["Connection", "create_app", "redact_path", "run_server"]
 
 log = logging.getLogger("vllm_realtime")
 STATIC_DIR = Path(__file__).parent / "static"
+ENGINE_DEAD_EXIT_STATUS = 3
+"""The server's exit status after its engine died (not 1: a crash of the server itself)."""
+ENGINE_DEAD_EXIT_DEADLINE_S = 20.0
+"""At most this long from the server's stop to its exit, once the engine died."""
 _redact_path = redact_path  # the name the security tests know
 
 
@@ -67,6 +80,10 @@ class _App:
         self.lifecycle = Lifecycle(config.drain_timeout_s)
         self.resume_tokens: ResumeTokens[Connection] = ResumeTokens()
         self.client_secrets = ClientSecrets()
+        # Set once the engine is found dead; `exit_on_engine_death` (set by run_server unless
+        # the operator keeps the server up) then stops the server.
+        self.engine_dead_at: float | None = None
+        self.exit_on_engine_death: Callable[[], None] | None = None
 
     def require_key(self, request: Request) -> JSONResponse | None:
         if key_accepted(self.config, http_key(request)):
@@ -87,7 +104,7 @@ def create_app(hub_factory: Callable[[], Awaitable[SessionHub]], config: ServerC
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         hub = await hub_factory()
         app.state.hub = hub
-        watchdog = asyncio.create_task(_watch(hub, shared.connections))
+        watchdog = asyncio.create_task(_watch(hub, shared))
         try:
             yield
         finally:
@@ -131,6 +148,7 @@ def create_app(hub_factory: Callable[[], Awaitable[SessionHub]], config: ServerC
     app.state.client_secrets = shared.client_secrets
     app.state.connections = shared.connections
     app.state.drain = drain_app
+    app.state.shared = shared
     if STATIC_DIR.is_dir():
         # The demo page's assets. realtime-client.js there is a symlink to clients/js (one source
         # of truth), hence follow_symlink; paths still cannot climb out of the directory.
@@ -263,31 +281,54 @@ async def _client_secret_request(request: Request, model_name: str) -> ClientSec
     return body
 
 
-async def _watch(hub: SessionHub, connections: set[Connection]) -> None:
-    """Every few seconds: engine alive? idle HTTP sessions past their timeout are closed."""
+WATCH_PERIOD_S = 1.0
+
+
+async def _watch(hub: SessionHub, shared: _App) -> None:
+    """Every second: engine alive? idle HTTP sessions past their timeout are closed."""
     while True:
-        await asyncio.sleep(2.0)
+        await asyncio.sleep(WATCH_PERIOD_S)
         try:
-            await _watch_once(hub, connections)
+            await _watch_once(hub, shared)
         except Exception:
             # One failed round must not end the watchdog (it used to die silently).
             log.exception("watchdog round failed")
 
 
-async def _watch_once(hub: SessionHub, connections: set[Connection]) -> None:
+async def _watch_once(hub: SessionHub, shared: _App) -> None:
     if not await hub.check_engine():
-        for conn in list(connections):
-            if conn.proto.state is not State.CLOSED:
-                await conn.send_error(EngineError(f"the engine is down: {hub.engine_failure}"))
-                await conn.finish(conn.proto.server_close("engine_error"))
+        await _engine_died(hub, shared)
         # HTTP sessions too: they used to stay registered until their idle timeout.
         for record in hub.of_transport("http").values():
             if not record.lock.locked():
                 await hub.close_session(record)
+        return
     now = time.monotonic()
     for record in hub.of_transport("http").values():
         if not record.lock.locked() and now - record.last_activity > hub.config.idle_timeout_s:
             await hub.close_session(record)
+
+
+async def _engine_died(hub: SessionHub, shared: _App) -> None:
+    """Hand the stored sessions over, end the others with engine_error, then stop the server
+    (unless it is kept up). Concurrently: one slow socket must not hold up the rest."""
+    first = shared.engine_dead_at is None
+    if first:
+        shared.engine_dead_at = time.monotonic()
+        if shared.exit_on_engine_death is not None:
+            # Replicas sharing a store: new handshakes get 503 (the router tries another).
+            shared.lifecycle.start_drain()
+
+    async def end(conn: Connection) -> None:
+        if conn.proto.state is State.CLOSED or await conn.hand_over_lost_engine():
+            return
+        await conn.send_error(EngineError(f"the engine is down: {hub.engine_failure}"))
+        await conn.finish(conn.proto.server_close("engine_error"))
+
+    await asyncio.gather(*(end(c) for c in list(shared.connections)), return_exceptions=True)
+    if first and shared.exit_on_engine_death is not None:
+        log.error("exiting with status %d (the engine is gone)", ENGINE_DEAD_EXIT_STATUS)
+        shared.exit_on_engine_death()
 
 
 async def _started_hub(engine: Any, config: ServerConfig, model_name: str) -> SessionHub:
@@ -296,8 +337,9 @@ async def _started_hub(engine: Any, config: ServerConfig, model_name: str) -> Se
     return hub
 
 
-def run_server(config: ServerConfig, settings: Any) -> None:
-    """Start the engine and serve until interrupted (one process: the registry is per process)."""
+def run_server(config: ServerConfig, settings: Any) -> int:
+    """Start the engine and serve until interrupted (one process: the registry is per process);
+    the exit status (0, or `ENGINE_DEAD_EXIT_STATUS` once the engine died)."""
     import uvicorn
 
     from realtime.engine import start_engine
@@ -335,18 +377,34 @@ def run_server(config: ServerConfig, settings: Any) -> None:
         app.state.drain,
     )
     server.on_force(app.state.lifecycle.forced.set)
+    shared: _App = app.state.shared
+    if not config.keep_alive_on_engine_death:
+        shared.exit_on_engine_death = functools.partial(setattr, server, "should_exit", True)
     try:
         server.run()
     finally:
+        if shared.engine_dead_at is not None:
+            # Whatever of the dead engine's stop hangs, the process exits: a supervisor's
+            # restart policy is what brings the replica back.
+            deadline = threading.Timer(
+                ENGINE_DEAD_EXIT_DEADLINE_S, os._exit, (ENGINE_DEAD_EXIT_STATUS,)
+            )
+            deadline.daemon = True  # a normal exit does not wait for it
+            deadline.start()
         # Stop EngineCore and its worker (vLLM sends SIGTERM and waits); before, SIGTERM killed
         # the server first and left them running, reparented to init.
         for engine in engines:
             log.info("shutting the engine down")
+            stopping = time.monotonic()
             # vLLM's default grace (5 s) is shorter than its CPU worker's own exit (3-5 s seen),
-            # after which the EngineCore was SIGKILLed; give them the time to exit cleanly.
-            engine.shutdown(timeout=15)
+            # after which the EngineCore was SIGKILLed; give them the time to exit cleanly. A
+            # dead engine has nothing left to stop cleanly.
+            engine.shutdown(timeout=15 if shared.engine_dead_at is None else 2)
+            log.info("engine shut down in %.1f s", time.monotonic() - stopping)
         # AsyncLLM.__del__ shuts down once more; left to the interpreter's teardown it ran with
         # vLLM's module globals already cleared and printed a TypeError traceback.
-        del app, server, hub_factory
+        dead = shared.engine_dead_at is not None
+        del app, server, hub_factory, shared
         engines.clear()
         gc.collect()
+    return ENGINE_DEAD_EXIT_STATUS if dead else 0

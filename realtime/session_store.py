@@ -29,6 +29,12 @@ owner stops, and the hash is gone one grace period later):
 A claim rotates the token digest in the same script, so a token works once (a replayed one is
 refused). Close and expiry delete the hash (fenced), and Redis' TTL removes what a dead replica
 left: nothing of a session outlives its grace period.
+
+When the store stops answering, the owner keeps serving its sessions; their writes fail and are
+retried (the keeper rewrites the last fold once Redis answers again). A store that restarted
+without the hash (a new `run_id`, no persistence, or the TTL passed while it was down) gets the
+whole record again from its owner (`lost`, `recreate`): only a restart can make a held hash
+vanish without a claim, so no second writer comes of it.
 """
 
 from __future__ import annotations
@@ -86,6 +92,14 @@ local n = tonumber(ARGV[3])
 for i = 4, 3 + n do redis.call('HDEL', KEYS[1], ARGV[i]) end
 for i = 4 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+# ARGV: ttl (ms), then field/value pairs: the whole hash, written only where it is missing.
+_RECREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
 
@@ -205,6 +219,7 @@ class SessionStore:
         self._set = client.register_script(_FENCED_SET)
         self._delete = client.register_script(_FENCED_DELETE)
         self._write = client.register_script(_FENCED_WRITE)
+        self._recreate = client.register_script(_RECREATE)
         self.bytes_written_last = 0
 
     @classmethod
@@ -214,13 +229,61 @@ class SessionStore:
 
         if urlparse(url).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(f"--session-store needs a redis:// URL, got {url.split('://')[0]!r}")
-        return cls(aioredis.Redis.from_url(url, decode_responses=True), replica)
+        # Timeouts: a Redis that stops answering (not only one that refuses connections) must
+        # not hold a turn up; the session goes on and the write is retried.
+        client = aioredis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=3.0, socket_connect_timeout=2.0
+        )
+        return cls(client, replica)
 
     async def ping(self) -> None:
         await self.redis.ping()
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+    async def run_id(self) -> str:
+        """The Redis server's run id: a new one after each restart (which may have lost data)."""
+        info = await self.redis.info("server")
+        return str(info.get("run_id", ""))
+
+    async def lost(self, session_id: str, run_id: str | None) -> bool:
+        """Whether a held session's hash is gone because the store restarted without it (a
+        new run id, and no hash). Not when it was deleted or expired under the same run
+        (closed, or claimed elsewhere and closed there): only a lost one may be `recreate`d."""
+        if run_id is None or await self.run_id() == run_id:
+            return False
+        return not await self.redis.exists(self.key(session_id))
+
+    async def recreate(
+        self,
+        session_id: str,
+        owner: str | None,
+        token_digest: str,
+        fence: int,
+        grace_s: float,
+        state: StoredSession,
+        frames: Mapping[int, bytes],
+    ) -> bool:
+        """Write a held session's whole record again after the store lost it (`lost`): the
+        owner's digests and fence, its last fold's state and every retained frame; only where
+        the hash is still missing. False: it exists (someone wrote it meanwhile)."""
+        pairs: list[str] = [
+            "owner",
+            digest(owner),
+            "token",
+            token_digest,
+            "fence",
+            str(fence),
+            "lease",
+            self.replica,
+            "state",
+            state.to_json(),
+        ]
+        for index, data in frames.items():
+            pairs += [_FRAME + str(index), base64.b64encode(data).decode("ascii")]
+        ok = await self._recreate(keys=[self.key(session_id)], args=[_ms(grace_s), *pairs])
+        return bool(ok)
 
     @staticmethod
     def key(session_id: str) -> str:

@@ -711,6 +711,13 @@ class ResponseDoneEvent(_ServerEventBase):
         description="The chunk's frame was larger than limits.max_frame_pixels and was resized "
         "down to it; null: sent as is (or a text chunk).",
     )
+    stored: bool | None = Field(
+        default=None,
+        description="Sessions kept in the session store: true when the session as of this "
+        "reply is in the store (another replica can resume it from here); false when the "
+        "store did not answer: the session goes on, resumable on this server only, until a "
+        "later reply says true. Null: the session is not kept in a store.",
+    )
 
 
 class SessionResumedEvent(_ServerEventBase):

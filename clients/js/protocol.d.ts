@@ -755,6 +755,10 @@ export interface ResponseDoneEvent {
    * The chunk's frame was larger than limits.max_frame_pixels and was resized down to it; null: sent as is (or a text chunk).
    */
   resized: FrameResize | null;
+  /**
+   * Sessions kept in the session store: true when the session as of this reply is in the store (another replica can resume it from here); false when the store did not answer: the session goes on, resumable on this server only, until a later reply says true. Null: the session is not kept in a store.
+   */
+  stored: boolean | null;
 }
 /**
  * Token counts of one reply.

@@ -206,6 +206,8 @@ export declare class RealtimeClient {
   readonly generation: number;
   /** Successful session.resume so far. */
   readonly resumes: number;
+  /** Accepted chunks sent again after a resume, their reply lost with the server that ran it. */
+  readonly chunksResent: number;
   /** The last server.draining of the current connection. */
   readonly draining: ServerDrainingEvent | null;
 
@@ -216,6 +218,8 @@ export declare class RealtimeClient {
   on(type: "resumed", listener: (event: SessionResumedEvent) => void): () => void;
   /** A new session replaced the old one (after a drain, or a refused resume). */
   on(type: "reopened", listener: (event: SessionOpenedEvent) => void): () => void;
+  /** An accepted chunk whose reply was lost with its server was sent again (once). */
+  on(type: "resent", listener: (info: { frame_index: number; frame_id: string | null }) => void): () => void;
 
   /** session.update: later chunks use these settings; resolves with session.updated. */
   update(options: { sampling?: SamplingConfig; frameFormat?: FrameFormat }): Promise<SessionUpdatedEvent>;

@@ -154,6 +154,7 @@ export class RealtimeClient {
     this.apiKeyIn = apiKeyIn;
     this.generation = 1; // +1 for every new session opened after a drain or a refused resume
     this.resumes = 0; // successful session.resume
+    this.chunksResent = 0; // chunks sent again because their reply was lost with its server
     this.draining = null; // the last server.draining
     this._resumeToken = null;
     this._nextIndex = 0;
@@ -895,8 +896,17 @@ export class RealtimeClient {
           ack(); // the rest of the reply arrives on this socket
         } else if (turn.ack === null) {
           resend();
+        } else if (answer.next_frame_index === expected && !turn.resent) {
+          // Accepted, then lost with its server (the session store is at the last
+          // response.done): the resumed session expects this chunk again. Once only.
+          turn.resent = true;
+          turn.text = "";
+          this.chunksResent += 1;
+          console.warn(`vllm-realtime: the reply to chunk ${expected} was lost with its server; sending the chunk again`);
+          resend();
+          this._emit("resent", { frame_index: expected, frame_id: turn.frameId });
         } else {
-          this._finishTurn(turn, null, localError("connection_lost", "the reply in flight was lost with the connection", false));
+          this._finishTurn(turn, null, localError("connection_lost", "the reply in flight was lost with its server", false));
         }
       }
       this._emit("resumed", answer);

@@ -29,13 +29,14 @@ def redis_binary() -> str | None:
     return found
 
 
-def start_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_redis(tmp: Path, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server in `tmp` on `port` (None: a free one); a dump.rdb there is loaded."""
     binary = redis_binary()
     if binary is None:
         if os.environ.get("CI"):
             pytest.fail("redis-server is missing in CI (scripts/setup.sh installs it)")
         pytest.skip("redis-server is not installed (scripts/setup.sh installs Debian's)")
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [
             binary,

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from realtime.session_store import SessionStore, StoredSession, held_media
+from realtime.session_store import SessionStore, StoredSession, digest, held_media
 from retention.records import SessionSnapshot
 from vllm_realtime_protocol import SessionConfig
 
@@ -169,3 +169,25 @@ def test_held_media_follows_the_window() -> None:
         3,
     )
     assert held_media({}, s5, 1, "image") == ({1: "image"}, 1)
+
+
+async def test_only_a_restart_that_lost_the_hash_lets_its_owner_write_it_again(
+    stores: tuple[SessionStore, SessionStore],
+) -> None:
+    """`lost` is true only for a new Redis run without the hash (a close or a claim elsewhere,
+    under the same run, never qualifies); `recreate` writes only where the hash is missing,
+    with the owner's fence and current token, so a resume works from it."""
+    a, b = stores
+    run = await a.run_id()
+    fence = await a.create("s1", "key-a", "tok-1", GRACE, stored())
+    assert not await a.lost("s1", run)  # there
+    await a.redis.delete(a.key("s1"))
+    assert not await a.lost("s1", run)  # gone under the same run: closed or expired
+    assert await a.lost("s1", "an-earlier-run")  # gone with a restart
+    assert await a.recreate("s1", "key-a", digest("tok-1"), fence, GRACE, stored(4), {1: b"jp"})
+    assert not await a.recreate("s1", "key-a", digest("tok-1"), fence, GRACE, stored(5), {})
+    assert await a.write("s1", fence, stored(6), GRACE)  # the owner's fence holds again
+    claim = await b.claim("s1", "tok-1", "key-a", "tok-2", GRACE)
+    assert claim is not None and claim.stored.frames_total == 6 and claim.frames == {1: b"jp"}
+    assert not await a.write("s1", fence, stored(7), GRACE)  # claimed: the fence moved on
+    assert not await a.lost("s1", run)

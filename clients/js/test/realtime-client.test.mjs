@@ -605,6 +605,55 @@ test("resilient: server.draining with handover resumes the session (not a new on
   assert.equal(client.holding, false);
 });
 
+test("resilient: a dead engine's hand-over: the accepted chunk is sent again once, after the resume", async () => {
+  const { client, ws } = await resilient();
+  const pending = client.appendFrame(JPEG, { binary: false, frameId: "f0" });
+  await tick();
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: "f0", bytes: 10 });
+  ws.emit({ type: "response.text.delta", event_id: "e", frame_index: 0, delta: "lost " });
+  // The engine died: no response.done for frame 0 here; the store is at the last fold.
+  ws.emit({ type: "server.draining", event_id: "e", seconds_left: 0, handover: true });
+  ws.emit({ type: "session.closed", event_id: "e", session_id: "sess_r", reason: "server_shutdown", frames_total: 0 });
+  ws.serverClose(1000);
+  const resent = [];
+  client.on("resent", (e) => resent.push(e.frame_index));
+  const warn = console.warn;
+  console.warn = () => {};
+  const resumedAt = (socket) => socket.emit({
+    type: "session.resumed",
+    event_id: "e",
+    session_id: "sess_r",
+    config: {},
+    limits: LIMITS,
+    next_frame_index: 0,
+    in_flight_frame_index: null,
+    missed_response: null,
+    resume_token: "tok-2",
+    rebuilt: true,
+    reprefilled_tokens: 40,
+  });
+  try {
+    const ws2 = await nextSocket(ws);
+    assert.equal(ws2.lastJson().type, "session.resume");
+    resumedAt(ws2);
+    await tick();
+    const again = ws2.lastJson();
+    assert.equal(again.type, "frame.append");
+    assert.equal(again.frame_id, "f0");
+    assert.deepEqual(resent, [0]);
+    assert.equal(client.chunksResent, 1);
+    ws2.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: "f0", bytes: 10 });
+    // Lost once more: not sent a third time (a chunk that kills servers must not kill them all).
+    ws2.serverClose(1006);
+    const ws3 = await nextSocket(ws2);
+    resumedAt(ws3);
+    await assert.rejects(pending, (err) => err.code === "connection_lost");
+    assert.equal(client.chunksResent, 1);
+  } finally {
+    console.warn = warn;
+  }
+});
+
 test("resilient: a refused resume (expired) opens a new session instead", async () => {
   const { client, ws } = await resilient();
   ws.serverClose(1006);

@@ -28,7 +28,9 @@ changes and :attr:`RealtimeSession.generation` counts up.  A drain that hands th
 (``server.draining`` with ``handover``: replicas sharing a session store) is followed by a
 resume instead, on whichever replica the reconnect reaches (through the router, e.g. with a
 ``?session_key=`` of the client's own on the URL): the same session, its context intact.  Calls
-made meanwhile wait.
+made meanwhile wait.  An accepted chunk whose reply was lost with its server (killed, or its
+engine died; the session store is at the last ``response.done``) is sent once more to the
+resumed session, with a warning in the log (:attr:`RealtimeSession.chunks_resent`).
 """
 
 from __future__ import annotations
@@ -178,6 +180,8 @@ class _Turn:
         # The caller gave up on it (timeout, task cancelled): the SDK cancelled it, so the next
         # chunk waits for its response.done instead of being refused.
         self.abandoned = False
+        # Sent again after a resume that lost its reply (the server died with it): once only.
+        self.resent = False
 
     def matches(self, frame_index: int) -> bool:
         return self.ack is not None and self.ack.frame_index == frame_index
@@ -261,6 +265,10 @@ class ResponseStream:
                 self._over = True
                 self._error = item
                 raise item
+            if isinstance(item, ResponseCreatedEvent):
+                # A second response.created: the chunk was sent again after its reply was lost
+                # with its server (see RealtimeSession.chunks_resent); the text starts over.
+                self._parts.clear()
             if isinstance(item, ResponseTextDeltaEvent):
                 self._parts.append(item.delta)
                 return item
@@ -340,6 +348,9 @@ class RealtimeSession:
         after a drain or a failed resume (a resumed session keeps its number)."""
         self.resumes = 0
         """Successful session.resume so far."""
+        self.chunks_resent = 0
+        """Chunks sent again after a resume because their reply was lost with the server that
+        ran it (killed, or its engine died: the session store is at the last response.done)."""
         self.draining: ServerDrainingEvent | None = None
         """The last ``server.draining`` received on the current connection."""
         self._reader = asyncio.create_task(self._read_loop(), name="vllm-realtime-reader")
@@ -1095,8 +1106,20 @@ class RealtimeSession:
                     self._ack(turn, expected)  # the rest of the reply comes on this socket
                 elif turn.ack is None:
                     await self._resend(turn)
-                else:  # pragma: no cover (the server keeps an accepted reply until resumed)
-                    turn.fail(ConnectionLost("the reply in flight was lost with the connection"))
+                elif answer.next_frame_index == expected and not turn.resent:
+                    # Accepted, then lost with its server (the store is at the last
+                    # response.done): the resumed session expects this chunk again. Once: a
+                    # chunk that kills servers must not kill the fleet.
+                    turn.resent = True
+                    self.chunks_resent += 1
+                    log.warning(
+                        "the reply to chunk %d was lost with its server; sending the chunk "
+                        "again to the resumed session",
+                        expected,
+                    )
+                    await self._resend(turn)
+                else:
+                    turn.fail(ConnectionLost("the reply in flight was lost with its server"))
         else:
             self.generation += 1
             self._opened = answer
