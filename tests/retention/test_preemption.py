@@ -178,6 +178,7 @@ def original_stream(sent: list[list[int]], replies: list[list[int]]) -> list[int
     return out
 
 
+@pytest.mark.v2
 @pytest.mark.parametrize("sink", [True, False], ids=["sink", "no-sink"])
 async def test_preempted_session_resumes_as_consolidation(
     smollm2_engine: Any,

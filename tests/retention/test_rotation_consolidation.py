@@ -42,6 +42,7 @@ async def _all_blocks_free(engine: Any) -> bool:
     return False
 
 
+@pytest.mark.v2
 async def test_rotation_changes_no_logit_of_a_contiguous_window(
     smollm2_engine: Any,
     tokenizer: Any,  # noqa: F811

