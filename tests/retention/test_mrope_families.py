@@ -104,6 +104,7 @@ def processor(family: Family) -> Any:
     return AutoProcessor.from_pretrained(str(model_dir(family.model)))
 
 
+@pytest.mark.v2
 async def test_eviction_of_image_and_clip_chunks_matches_oracle(
     engine: Any, hf_vlm: Any, processor: Any, family: Family
 ) -> None:
@@ -159,6 +160,7 @@ async def test_consolidation_matches_fresh_prefill_of_survivors(
     assert all(p["top"] <= 240 for p in report["positions"]), report["positions"]
 
 
+@pytest.mark.v2
 async def test_preempted_session_resumes_as_a_fresh_prefill(
     engine: Any, hf_vlm: Any, processor: Any, family: Family
 ) -> None:

@@ -72,14 +72,14 @@ async def test_the_v2_worker_builds_our_runner_and_reads_each_fold(smollm2_engin
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir("smollm2-135m-instruct")))
     session = Session(engine, {"sink_chunks": 1, "window_chunks": 2, "low_watermark_ratio": 0.5})
     try:
-        for i in range(6):
+        for i in range(CHUNKS):
             await session.send(chunk_tokens(tokenizer, i))
         state = await retention_state(engine, session.request_id)
         (view,) = await engine.collective_rpc(
             "vllm_realtime_v2_session", args=(session.request_id,)
         )
-        assert state is not None and state["tokens_evicted"] > 0
-        assert view["folds"] == list(range(6))
+        assert state is not None and state["evictions"] >= 1
+        assert view["folds"] == list(range(CHUNKS))
         # Tokens were evicted below the chunk: the worker rotates it past its cache index.
         assert view["position_offset"] > 0
         assert view["resumes"] == 0

@@ -51,6 +51,7 @@ def processor() -> Any:
     return AutoProcessor.from_pretrained(str(model_dir("tiny-qwen2-vl")))
 
 
+@pytest.mark.v2
 async def test_eviction_matches_masked_dense_oracle_with_3d_positions(
     vlm_engine: Any, hf_vlm: Any, processor: Any
 ) -> None:
@@ -74,6 +75,7 @@ async def test_eviction_matches_masked_dense_oracle_with_3d_positions(
     assert stats["num_free_blocks"] == stats["num_usable_blocks"]
 
 
+@pytest.mark.v2
 async def test_consolidation_matches_fresh_prefill_of_survivors(
     vlm_engine: Any, hf_vlm: Any, processor: Any
 ) -> None:

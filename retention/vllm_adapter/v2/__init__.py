@@ -28,9 +28,4 @@ def v2_retention_refusal(vllm_config: Any) -> str | None:
             f"the V2 model runner built by worker {worker_cls!r}, which carries no retention "
             "hooks (vllm-realtime serve selects its own worker for V2)"
         )
-    model_config = vllm_config.model_config
-    if getattr(model_config, "uses_mrope", False):
-        return "an mRoPE model on the V2 model runner (its RopeState hooks are not ported yet)"
-    if getattr(model_config, "is_multimodal_model", False):
-        return "a multimodal model on the V2 model runner (encoder-cache release not ported yet)"
     return None

@@ -34,9 +34,18 @@ Per step, in the order ``GPUModelRunner.execute_model`` calls them:
 Requests without a fold control record (every request that did not ask for retention) take
 none of these paths: their positions are vLLM's.
 
-Not yet ported (the scheduler refuses these on V2, ``retention.vllm_adapter.v2.v2_retention_refusal``): mRoPE models
-(``RopeState`` rows: compaction at each fold, resume), and multimodal 1D models (encoder-cache
-release). docs/history/v2-runner.md keeps what is executed and what is next.
+mRoPE models: vLLM's ``init_prefill_positions`` writes the request's ``RopeState`` rows over the
+whole (compacted) prompt at every re-add; at a fold that is not a reset, the rows are then
+overwritten (``RopeState.update_prefill_positions``, the call EVS pruning uses) with the held
+columns minus the evicted ones and the chunk's own positions shifted past them, by
+``mrope.py``'s pure functions. A reset (first chunk, consolidation) or a resume keeps vLLM's
+rows: a fresh prefill's. The 1D offset is not added for them (the model reads RopeState's
+positions, not the buffer).
+
+Encoder cache: nothing here. V2's ``free_states`` frees the scheduler's
+``free_encoder_mm_hashes``, which the scheduler's release of evicted items fills.
+
+docs/history/v2-runner.md keeps what is executed and what is next.
 """
 
 from __future__ import annotations
@@ -68,6 +77,9 @@ class _SessionWorkerState:
     position_offset: int = 0
     preempted: bool = False
     folds: list[int] = field(default_factory=list)
+    # mRoPE: the 3 x prompt positions and decode delta last written to the RopeState rows.
+    mrope_positions: Any = None
+    mrope_delta: int = 0
 
 
 class RetentionRunnerMixin:
@@ -76,6 +88,7 @@ class RetentionRunnerMixin:
     # Declared for the type checker; set by vLLM's runner.
     req_states: Any
     input_buffers: Any
+    model_state: Any
 
     _realtime_sessions: dict[str, _SessionWorkerState]
 
@@ -113,6 +126,7 @@ class RetentionRunnerMixin:
         state = sessions.get(new_req.req_id)
         if state is None:
             state = sessions[new_req.req_id] = _SessionWorkerState(new_req.req_id)
+        rope = getattr(self.model_state, "rope_state", None)
         if state.preempted:
             # The resumed request, recomputed from 0 over the consolidated history.
             state.preempted = False
@@ -124,21 +138,74 @@ class RetentionRunnerMixin:
                         f"{control.position_offset}; a resume recomputes from offset 0"
                     )
                 state.position_offset = 0
+                if rope is not None:
+                    # vLLM's own positions over the whole prompt: a fresh prefill's.
+                    self._keep_rope_rows(rope, new_req, state)
                 return
         accept_fold(state, control)
         state.folds.append(control.fold)
         state.position_offset = control.position_offset
         release_after_consolidation(control)
+        if rope is not None:
+            if control.reset:
+                self._keep_rope_rows(rope, new_req, state)
+            else:
+                self._extend_rope_rows(rope, new_req, state, control)
         if control.rotations:
             # A consolidation by rotation: before this step computes the chunk.
             rotator_of(self).rotate(new_req.block_ids[0], control.rotations)
+
+    def _keep_rope_rows(self, rope: Any, new_req: Any, state: _SessionWorkerState) -> None:
+        """Remember the rows vLLM's ``init_prefill_positions`` just wrote (a reset or resume)."""
+        idx = self.req_states.req_id_to_index[new_req.req_id]
+        length = len(new_req.prefill_token_ids)
+        state.mrope_positions = rope.read_prefill_positions(idx, length).to("cpu", copy=True)
+        state.mrope_delta = int(rope.prefill_delta.np[idx])
+
+    def _extend_rope_rows(
+        self, rope: Any, new_req: Any, state: _SessionWorkerState, control: FoldControl
+    ) -> None:
+        """A fold: the held columns (evicted ones dropped) and the chunk's own positions
+        shifted past them (``mrope.py``'s rule), over the rows vLLM computed for the
+        compacted prompt as if nothing had been evicted."""
+        from retention.vllm_adapter.mrope import (
+            MRopeSyncError,
+            appended_positions,
+            held_positions,
+            local_features,
+        )
+
+        if state.mrope_positions is None:
+            raise MRopeSyncError(f"request {state.req_id} has no mRoPE positions to extend")
+        held = held_positions(
+            state.mrope_positions, state.mrope_delta, control.held_before, control.evicted
+        )
+        num_held = int(held.shape[1])
+        if num_held != int(new_req.num_computed_tokens):
+            raise MRopeSyncError(
+                f"request {state.req_id}: {num_held} positions held after fold {control.fold}, "
+                f"but the scheduler reports {new_req.num_computed_tokens} computed tokens"
+            )
+        tokens = list(new_req.prefill_token_ids)
+        chunk = None
+        if len(tokens) > num_held:
+            chunk, _ = self.get_model().get_mrope_input_positions(  # type: ignore[attr-defined]
+                tokens[num_held:], local_features(new_req.mm_features, num_held)
+            )
+        positions, delta = appended_positions(held, chunk)
+        idx = self.req_states.req_id_to_index[new_req.req_id]
+        rope.update_prefill_positions(idx, positions.to(torch_int32()), delta)
+        rope.prefill_delta.copy_to_uva()
+        state.mrope_positions = positions
+        state.mrope_delta = delta
 
     # 3. ------------------------------------------------------------------ positions
 
     def prepare_attn(self, input_batch: Any) -> Any:
         result = super().prepare_attn(input_batch)  # type: ignore[misc]
         sessions = self._realtime_state()
-        if sessions:
+        # mRoPE models read RopeState's positions, not this buffer (their gaps are in the rows).
+        if sessions and getattr(self.model_state, "rope_state", None) is None:
             offsets = [
                 state.position_offset if (state := sessions.get(rid)) is not None else 0
                 for rid in input_batch.req_ids
@@ -147,16 +214,51 @@ class RetentionRunnerMixin:
                 _add_offsets(input_batch, offsets)
         return result
 
-    def realtime_session_view(self, req_id: str) -> dict[str, Any] | None:
-        """Tests and introspection: the worker's record of one session."""
-        state = self._realtime_state().get(req_id)
-        if state is None:
+    def realtime_worker_stats(self) -> dict[str, Any]:
+        """``introspect.worker_stats``'s fields that depend on the runner, on V2: the mRoPE
+        columns each session holds and the largest position they (and decode) reach."""
+        columns: dict[str, int] = {}
+        top: dict[str, int] = {}
+        computed = self.req_states.num_computed_tokens_np
+        for req_id, state in self._realtime_state().items():
+            idx = self.req_states.req_id_to_index.get(req_id)
+            if state.mrope_positions is None or idx is None:
+                continue
+            external = req_id.rsplit("-", 1)[0]
+            positions = state.mrope_positions
+            columns[external] = int(positions.shape[1])
+            top[external] = max(
+                int(positions.max()) + 1 if positions.numel() else 0,
+                int(computed[idx]) + state.mrope_delta,
+            )
+        encoder_cache = getattr(self, "encoder_cache", None)
+        return {
+            "encoder_cache_entries": 0 if encoder_cache is None else len(encoder_cache),
+            "num_requests": len(self.req_states.req_id_to_index),
+            "mrope_columns_by_request": columns,
+            "mrope_top_by_request": top,
+        }
+
+    def realtime_session_view(self, external_id: str) -> dict[str, Any] | None:
+        """Tests and introspection: the worker's record of one session, by the client's id
+        (vLLM's internal ids are "<external id>-<8 random chars>")."""
+        found = [
+            s for rid, s in self._realtime_state().items() if rid.rsplit("-", 1)[0] == external_id
+        ]
+        if not found:
             return None
+        (state,) = found
         return {
             "position_offset": state.position_offset,
             "folds": list(state.folds),
             "resumes": int(getattr(state, "_vllm_realtime_resumes", 0)),
         }
+
+
+def torch_int32() -> Any:
+    import torch
+
+    return torch.int32
 
 
 def _add_offsets(input_batch: Any, offsets: list[int]) -> None:
