@@ -127,6 +127,7 @@ async def test_eviction_of_image_and_clip_chunks_matches_oracle(
     assert stats["num_free_blocks"] == stats["num_usable_blocks"]
 
 
+@pytest.mark.v2
 async def test_consolidation_matches_fresh_prefill_of_survivors(
     engine: Any, hf_vlm: Any, processor: Any, family: Family
 ) -> None:

@@ -135,6 +135,7 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 ENDURANCE_FRAMES = 1000
 
 
+@pytest.mark.v2
 async def test_endurance_1000_frames_bounded_and_no_leak(vlm_engine: Any) -> None:
     stats0 = await wait_all_blocks_free(vlm_engine)
     usable = stats0["num_usable_blocks"]

@@ -274,22 +274,20 @@ def _add_offsets(input_batch: Any, offsets: list[int]) -> None:
 
 
 # --------------------------------------------------------------------------- workers
-# The runner classes are built at first use: the V2 runner's module needs Triton, which only a
-# V2 engine's processes have.
+# The runner classes are built at first use, over the class vLLM built: the V2 runner's module
+# needs Triton, which only a V2 engine's processes have.
 
 
 @cache
-def _cpu_runner_cls() -> type[Any]:
-    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+def _runner_over(base: type[Any]) -> type[Any]:
+    """Our hooks over the platform's V2 runner class (vLLM's CPU or GPU one)."""
+    return type(f"Realtime{base.__name__}", (RetentionRunnerMixin, base), {})
 
-    return type("RealtimeCPUModelRunner", (RetentionRunnerMixin, CPUModelRunner), {})
 
-
-@cache
-def _gpu_runner_cls() -> type[Any]:
+def _is_v2_runner(runner: Any) -> bool:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    return type("RealtimeGPUModelRunner", (RetentionRunnerMixin, GPUModelRunner), {})
+    return isinstance(runner, GPUModelRunner) and not isinstance(runner, RetentionRunnerMixin)
 
 
 class _WorkerReadout:
@@ -312,8 +310,10 @@ class RealtimeCPUWorker(_WorkerReadout, CPUWorker):  # type: ignore[misc]
 
     def init_device(self) -> None:
         super().init_device()
-        if self.use_v2_model_runner:
-            self.model_runner = _cpu_runner_cls()(self.vllm_config, self.device)
+        # By the runner's class, not a flag: 0.32 picks by `use_v2_model_runner`, 0.34's CPU
+        # worker builds the V2-based CPUModelRunner or a standalone runner (not V2, no hooks).
+        if _is_v2_runner(self.model_runner):
+            self.model_runner = _runner_over(type(self.model_runner))(self.vllm_config, self.device)
 
 
 class RealtimeGPUWorker(_WorkerReadout, Worker):  # type: ignore[misc]
@@ -321,6 +321,9 @@ class RealtimeGPUWorker(_WorkerReadout, Worker):  # type: ignore[misc]
     this"). Never run on a GPU by a test here (docs/history/v2-runner.md)."""
 
     def _make_model_runner(self) -> Any:
-        if self.use_v2_model_runner and not self.vllm_config.is_mm_encoder_only:
-            return _gpu_runner_cls()(self.vllm_config, self.device)
+        # 0.32 has the flag; 0.34 builds the V2 runner only (no flag).
+        if getattr(self, "use_v2_model_runner", True) and not self.vllm_config.is_mm_encoder_only:
+            from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+            return _runner_over(GPUModelRunner)(self.vllm_config, self.device)
         return super()._make_model_runner()
