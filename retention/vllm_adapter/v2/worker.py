@@ -51,7 +51,6 @@ docs/history/v2-runner.md keeps what is executed and what is next.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
@@ -278,10 +277,16 @@ def _add_offsets(input_batch: Any, offsets: list[int]) -> None:
 # needs Triton, which only a V2 engine's processes have.
 
 
-@cache
+_RUNNER_CLASSES: dict[type[Any], type[Any]] = {}
+
+
 def _runner_over(base: type[Any]) -> type[Any]:
-    """Our hooks over the platform's V2 runner class (vLLM's CPU or GPU one)."""
-    return type(f"Realtime{base.__name__}", (RetentionRunnerMixin, base), {})
+    """Our hooks over the platform's V2 runner class (vLLM's CPU or GPU one), built once."""
+    runner_cls = _RUNNER_CLASSES.get(base)
+    if runner_cls is None:
+        runner_cls = type(f"Realtime{base.__name__}", (RetentionRunnerMixin, base), {})
+        _RUNNER_CLASSES[base] = runner_cls
+    return runner_cls
 
 
 def _is_v2_runner(runner: Any) -> bool:
