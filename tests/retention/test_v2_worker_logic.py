@@ -123,3 +123,15 @@ def test_a_resume_that_keeps_an_offset_is_refused() -> None:
     _step(runner, [], preempted=("s",))
     with pytest.raises(FoldControlError, match="resumed with position offset 30"):
         _step(runner, [_new("s", FoldControl(fold=1, position_offset=30, held_before=40))])
+
+
+def test_a_v2_engine_bounds_sessions_only_with_our_worker() -> None:
+    from retention.vllm_adapter.v2 import CPU_WORKER_CLS, GPU_WORKER_CLS, v2_retention_refusal
+
+    def config(worker_cls: str) -> Any:
+        return SimpleNamespace(parallel_config=SimpleNamespace(worker_cls=worker_cls))
+
+    assert v2_retention_refusal(config(CPU_WORKER_CLS)) is None
+    assert v2_retention_refusal(config(GPU_WORKER_CLS)) is None
+    refusal = v2_retention_refusal(config("vllm.v1.worker.cpu_worker.CPUWorker"))
+    assert refusal is not None and "carries no retention hooks" in refusal
