@@ -27,12 +27,15 @@ pytestmark = pytest.mark.slow
 CHUNKS = 12
 
 
-def _probe(runner: str) -> dict[str, Any]:
+SERVED_FRAMES = 200
+
+
+def _probe(runner: str, module: str = "v2_session_probe", arg: int = CHUNKS) -> dict[str, Any]:
     env = dict(os.environ)
     env[RUNNER_ENV] = runner
     env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.retention.v2_session_probe", str(CHUNKS)],
+        [sys.executable, "-m", f"tests.retention.{module}", str(arg)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -56,6 +59,27 @@ def test_same_session_gives_identical_greedy_tokens_on_v1_and_v2() -> None:
     assert v2["position_cursor"] == v1["position_cursor"]
     assert v2["replies"] == v1["replies"]
     assert len(v1["replies"]) == CHUNKS and all(len(r) == 4 for r in v1["replies"])
+
+
+@pytest.mark.skipif(RUNNER == "v2", reason="starts one process per runner itself")
+def test_a_served_200_frame_video_session_on_v2_equals_v1() -> None:
+    """Through the real server and WebSocket (tests/retention/v2_served_probe.py)."""
+    problem = v2_fixture_problem()
+    if problem is not None:
+        pytest.fail(problem) if os.environ.get("CI") else pytest.skip(problem)
+    v1 = _probe("v1", "v2_served_probe", SERVED_FRAMES)
+    v2 = _probe("v2", "v2_served_probe", SERVED_FRAMES)
+    assert v2["runner"] == "RealtimeCPUModelRunner"
+    assert len(v1["replies"]) == SERVED_FRAMES
+    # Window honoured: the sink frame and 4 window frames, and the one answered.
+    assert max(r["frames_retained"] for r in v2["replies"]) <= 1 + 4 + 1
+    assert v2["replies"][-1]["frames_evicted"] >= SERVED_FRAMES - 10
+    # KV flat: no more blocks at the end than once the window first filled.
+    held = [r["kv_blocks_held"] for r in v2["replies"]]
+    assert max(held[20:]) <= max(held[:20]), held
+    assert v1["all_blocks_free"] and v2["all_blocks_free"]
+    # The same replies, frame by frame, and the same retention numbers.
+    assert v2["replies"] == v1["replies"]
 
 
 @pytest.mark.v2
