@@ -61,9 +61,9 @@ Works: in-place eviction of image and clip chunks, decode after a compaction, co
 interleaved sections and deepstack (nothing position-related: the chunk-local computation
 shifted by max + 1 equals the stock one, its frames' timestamps are text tokens of the chunk),
 Qwen2.5-VL's temporal scaling (the bound above). Checked against a dense transformers forward
-with transformers' own 3-D positions: max |Δ logprob| ~1e-6 (tolerance 1e-4). Not covered: the
-V2 model runner (it keeps positions in its own state and is not patched: refused; it needs
-triton, so it is off on CPU anyway), async scheduling and pipeline parallelism (refused). The
+with transformers' own 3-D positions: max |Δ logprob| ~1e-6 (tolerance 1e-4). The V2 model runner
+keeps positions in its own state (``RopeState``): its hooks (``v2/worker.py``) reuse this
+module's pure functions. Not covered: async scheduling and pipeline parallelism (refused). The
 excess bound assumes one multimodal item per chunk or items whose excess is >= 0 (the service
 sends one frame or clip per chunk): a remnant of a chunk holding an item of negative excess and
 one of positive excess could, after a preemption, span more than its chunk's recorded excess.
