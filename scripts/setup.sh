@@ -97,9 +97,10 @@ fi
 # Test-only: PyPI's Triton for the V2-runner tests (`make test-v2`, tests/model_runner_mode.py),
 # in .v2-triton/ (gitignored), never in the venv: the CPU vLLM would find it there and every
 # engine would change (it has no CPU backend; the tests add a stand-in and run its kernels in
-# Triton's interpreter). Whole, or not there at all. Skipped when already there.
+# Triton's interpreter). Whole, or not there at all. Skipped when already there, and with
+# V2_TEST_TRITON=0 (the server images: ~1 GB no server needs).
 TRITON_VERSION="3.9.0"
-if [ "$GPU" = 0 ] && [ ! -f .v2-triton/triton/__init__.py ]; then
+if [ "$GPU" = 0 ] && [ "${V2_TEST_TRITON:-1}" = 1 ] && [ ! -f .v2-triton/triton/__init__.py ]; then
   rm -rf .v2-triton .v2-triton.partial
   "${PIP[@]}" install -q --no-deps --target .v2-triton.partial "triton==$TRITON_VERSION"
   mv .v2-triton.partial .v2-triton
