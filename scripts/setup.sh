@@ -94,6 +94,19 @@ if [ "$GPU" = 0 ]; then
   echo "import _vllm_realtime_torchvision_shim" > "$SITE/_vllm_realtime_torchvision_shim.pth"
 fi
 
+# Test-only: PyPI's Triton for the V2-runner tests (`make test-v2`, tests/model_runner_mode.py),
+# in .v2-triton/ (gitignored), never in the venv: the CPU vLLM would find it there and every
+# engine would change (it has no CPU backend; the tests add a stand-in and run its kernels in
+# Triton's interpreter). Whole, or not there at all. Skipped when already there, and with
+# V2_TEST_TRITON=0 (the server images: ~1 GB no server needs).
+TRITON_VERSION="3.9.0"
+if [ "$GPU" = 0 ] && [ "${V2_TEST_TRITON:-1}" = 1 ] && [ ! -f .v2-triton/triton/__init__.py ]; then
+  rm -rf .v2-triton .v2-triton.partial
+  "${PIP[@]}" install -q --no-deps --target .v2-triton.partial "triton==$TRITON_VERSION"
+  mv .v2-triton.partial .v2-triton
+  echo "setup: triton $TRITON_VERSION in .v2-triton/ (V2-runner tests only)"
+fi
+
 # Fail here, not at first use, if the traps above are not handled.
 "$VENV/bin/python" - <<'PY'
 import torchvision.transforms.v2.functional  # noqa: F401

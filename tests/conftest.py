@@ -11,12 +11,27 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from tests.model_runner_mode import RUNNER, enter_v2_mode
+
+if RUNNER == "v2":
+    enter_v2_mode()
+
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Small KV pools: enough for the tests, and free-block counts stay easy to reason about.
 TEST_KV_BYTES = 48 << 20
 TEST_BLOCK_SIZE = 32
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On the V2 runner (tests/model_runner_mode.py), only the tests marked `v2` run."""
+    if RUNNER != "v2":
+        return
+    skip = pytest.mark.skip(reason="REALTIME_TEST_RUNNER=v2 runs the tests marked v2 only")
+    for item in items:
+        if item.get_closest_marker("v2") is None:
+            item.add_marker(skip)
 
 
 def engine_settings(model: str, **overrides: object):  # type: ignore[no-untyped-def]

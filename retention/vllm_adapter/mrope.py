@@ -61,9 +61,9 @@ Works: in-place eviction of image and clip chunks, decode after a compaction, co
 interleaved sections and deepstack (nothing position-related: the chunk-local computation
 shifted by max + 1 equals the stock one, its frames' timestamps are text tokens of the chunk),
 Qwen2.5-VL's temporal scaling (the bound above). Checked against a dense transformers forward
-with transformers' own 3-D positions: max |Δ logprob| ~1e-6 (tolerance 1e-4). Not covered: the
-V2 model runner (it keeps positions in its own state and is not patched: refused; it needs
-triton, so it is off on CPU anyway), async scheduling and pipeline parallelism (refused). The
+with transformers' own 3-D positions: max |Δ logprob| ~1e-6 (tolerance 1e-4). The V2 model runner
+keeps positions in its own state (``RopeState``): its hooks (``v2/worker.py``) reuse this
+module's pure functions. Not covered: async scheduling and pipeline parallelism (refused). The
 excess bound assumes one multimodal item per chunk or items whose excess is >= 0 (the service
 sends one frame or clip per chunk): a remnant of a chunk holding an item of negative excess and
 one of positive excess could, after a preemption, span more than its chunk's recorded excess.
@@ -182,8 +182,8 @@ def chunk_position_function(model_config: Any) -> PositionFunction:
     # nn.Module.__setattr__ on an instance without its dicts falls through to object's.
     positions_only.config = model_config.hf_config
     function: PositionFunction = positions_only.get_mrope_input_positions
-    # Fail at start-up, not at a session's first fold, where a model's function needs more
-    # than its config (a family these hooks were not proven on).
+    # Fail when the first bounded session starts, not at its first fold, where a model's
+    # function needs more than its config (a family these hooks were not proven on).
     function([0, 1], [])
     return function
 

@@ -293,11 +293,12 @@ def retention_refusal(scheduler: Any) -> str | None:
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         return "pipeline parallelism"
     if getattr(scheduler, "use_v2_model_runner", False):
-        # positions.py and mrope.py patch the V1 model runner (GPUModelRunner) only.
-        return (
-            "the V2 model runner (the position patches target V1); set "
-            "VLLM_USE_V2_MODEL_RUNNER=0 (vllm-realtime serve sets it itself)"
-        )
+        # The V2 hooks live in our worker's runner (retention/vllm_adapter/v2/worker.py), for the families ported.
+        from retention.vllm_adapter.v2 import v2_retention_refusal
+
+        v2_problem = v2_retention_refusal(vllm_config)
+        if v2_problem is not None:
+            return f"{v2_problem}; set VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner"
     mm_config = vllm_config.model_config.multimodal_config
     if mm_config is not None and mm_config.is_multimodal_pruning_enabled():
         return "multimodal pruning (EVS recomputes mRoPE positions at every step)"

@@ -27,6 +27,7 @@ from realtime.engine import (
     retention_on,
     select_model_runner,
 )
+from retention.vllm_adapter.v2 import CPU_WORKER_CLS, GPU_WORKER_CLS
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -140,10 +141,22 @@ def test_serve_selects_the_v1_runner_that_vllm_would_not_pick_on_cuda(
     assert env == {V2_RUNNER_SWITCH: "0"}
     assert line.startswith("model runner: V1 (VLLM_USE_V2_MODEL_RUNNER=0, set by serve")
     assert _vllm_picks_v2(monkeypatch, env) is False
-    # An operator's explicit V2 is refused at start, naming the switch.
+    # An operator's explicit V2 is kept, and the log says what its hooks cover; our worker
+    # builds the runner (build_engine_args names it), and V1 engines keep vLLM's own worker.
     for value in ("1", "true"):
-        with pytest.raises(EngineConfigError, match=r"set VLLM_USE_V2_MODEL_RUNNER=0"):
-            select_model_runner({V2_RUNNER_SWITCH: value})
+        env = {V2_RUNNER_SWITCH: value}
+        line = select_model_runner(env)
+        assert env == {V2_RUNNER_SWITCH: value}
+        assert line.startswith(f"model runner: V2 (VLLM_USE_V2_MODEL_RUNNER={value}")
+        assert "Triton interpreter" in line and "never run on a GPU" in line
+    cpu = EnginePlatform(cuda=False, available_memory=8 << 30)
+    monkeypatch.setenv(V2_RUNNER_SWITCH, "1")
+    assert build_engine_args(EngineSettings(model="m"), cpu).worker_cls == CPU_WORKER_CLS
+    assert build_engine_args(EngineSettings(model="m"), EnginePlatform(cuda=True)).worker_cls == (
+        GPU_WORKER_CLS
+    )
+    monkeypatch.setenv(V2_RUNNER_SWITCH, "0")
+    assert build_engine_args(EngineSettings(model="m"), cpu).worker_cls == "auto"
     # A vLLM without the V1 runner (0.34) is refused at start too, and the switch left alone
     # (0.34 raises on VLLM_USE_V2_MODEL_RUNNER=0).
     env = {}

@@ -150,6 +150,7 @@ async def test_plain_streams_take_none_of_our_paths_until_a_bounded_session(
         await session.close()
 
 
+@pytest.mark.v2
 async def test_eviction_of_image_and_clip_chunks_matches_oracle(
     engine: Any, hf_vlm: Any, processor: Any, family: Family
 ) -> None:
@@ -172,6 +173,7 @@ async def test_eviction_of_image_and_clip_chunks_matches_oracle(
     assert stats["num_free_blocks"] == stats["num_usable_blocks"]
 
 
+@pytest.mark.v2
 async def test_consolidation_matches_fresh_prefill_of_survivors(
     engine: Any, hf_vlm: Any, processor: Any, family: Family
 ) -> None:
@@ -205,6 +207,7 @@ async def test_consolidation_matches_fresh_prefill_of_survivors(
     assert all(p["top"] <= 240 for p in report["positions"]), report["positions"]
 
 
+@pytest.mark.v2
 async def test_preempted_session_resumes_as_a_fresh_prefill(
     engine: Any, hf_vlm: Any, processor: Any, family: Family
 ) -> None:

@@ -42,6 +42,7 @@ from tests.retention.test_text_retention import (
     chunk_tokens,
     hf_model,  # noqa: F401  (module fixture)
     masked_logprobs,
+    note_worst_delta,
     tokenizer,  # noqa: F401  (module fixture)
 )
 
@@ -178,6 +179,7 @@ def original_stream(sent: list[list[int]], replies: list[list[int]]) -> list[int
     return out
 
 
+@pytest.mark.v2
 @pytest.mark.parametrize("sink", [True, False], ids=["sink", "no-sink"])
 async def test_preempted_session_resumes_as_consolidation(
     smollm2_engine: Any,
@@ -237,6 +239,10 @@ async def test_preempted_session_resumes_as_consolidation(
         for tok, lp in got.items():
             assert abs(lp - float(want[tok])) < TOLERANCE, (tok, lp, float(want[tok]))
         assert max(got, key=got.__getitem__) == int(want.argmax())
+        note_worst_delta(
+            f"preemption-{'sink' if sink else 'no-sink'}",
+            max(abs(lp - float(want[tok])) for tok, lp in got.items()),
+        )
 
         # (b) Probes: the session's original prefix and its compacted content.
         original = original_stream(sent, replies)

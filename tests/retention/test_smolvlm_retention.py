@@ -301,6 +301,7 @@ async def test_frame_is_the_processors_tokens(smolvlm_engine: Any, processor: An
         await session.close()
 
 
+@pytest.mark.v2
 async def test_eviction_matches_masked_dense_oracle_at_true_positions(
     smolvlm_engine: Any, hf_smolvlm: Any, processor: Any
 ) -> None:
@@ -321,6 +322,7 @@ async def test_eviction_matches_masked_dense_oracle_at_true_positions(
     assert stats["num_free_blocks"] == stats["num_usable_blocks"]
 
 
+@pytest.mark.v2
 async def test_consolidation_matches_fresh_prefill_of_what_is_held(
     smolvlm_engine: Any, hf_smolvlm: Any, processor: Any
 ) -> None:

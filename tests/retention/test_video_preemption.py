@@ -36,6 +36,7 @@ from tests.retention.vlm_oracle import preempt_and_check
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.v2
 async def test_preempted_video_session_resumes_as_a_fresh_prefill(
     vlm_engine: Any,
     hf_vlm: Any,  # noqa: F811

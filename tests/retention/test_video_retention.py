@@ -51,6 +51,7 @@ def processor() -> Any:
     return AutoProcessor.from_pretrained(str(model_dir("tiny-qwen2-vl")))
 
 
+@pytest.mark.v2
 async def test_eviction_matches_masked_dense_oracle_with_3d_positions(
     vlm_engine: Any, hf_vlm: Any, processor: Any
 ) -> None:
@@ -74,6 +75,7 @@ async def test_eviction_matches_masked_dense_oracle_with_3d_positions(
     assert stats["num_free_blocks"] == stats["num_usable_blocks"]
 
 
+@pytest.mark.v2
 async def test_consolidation_matches_fresh_prefill_of_survivors(
     vlm_engine: Any, hf_vlm: Any, processor: Any
 ) -> None:
@@ -133,6 +135,7 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 ENDURANCE_FRAMES = 1000
 
 
+@pytest.mark.v2
 async def test_endurance_1000_frames_bounded_and_no_leak(vlm_engine: Any) -> None:
     stats0 = await wait_all_blocks_free(vlm_engine)
     usable = stats0["num_usable_blocks"]

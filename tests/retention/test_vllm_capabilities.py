@@ -86,5 +86,5 @@ def test_serving_is_refused_with_the_reason_where_the_worker_hooks_do_not_run() 
     if capabilities.v1_model_runner:  # 0.33: the runner is there, the hooks never ran on it
         assert "no CPU build" in message and "keeps the V1 GPU model runner" in message
     else:  # 0.34: the runner is gone
-        assert "no V1 GPU model runner" in message and "not ported to the V2" in message
+        assert "no V1 GPU model runner" in message and "not on this release's" in message
     assert "install vLLM 0.32.0" in message
