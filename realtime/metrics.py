@@ -33,6 +33,11 @@ class Metrics:
             "KV blocks reserved by admission for the open sessions (their peak footprints).",
             registry=self.registry,
         )
+        self.kv_pool_bytes = Gauge(
+            "vllm_realtime_kv_pool_bytes",
+            "Bytes of the engine's KV pool (the CPU default: what --max-sessions can reserve).",
+            registry=self.registry,
+        )
         self.kv_block_size = Gauge(
             "vllm_realtime_kv_block_size_tokens",
             "Tokens per KV block.",
