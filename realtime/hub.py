@@ -648,8 +648,8 @@ class SessionHub:
         if self.multimodal and self.chat.image is not None:
             kinds.append("frame")
         for kind in kinds:
-            for _ in range(CALIBRATION_TRIES):
-                busy = await self._calibrate(kind)
+            for attempt in range(CALIBRATION_TRIES):
+                busy = await self._calibrate(kind, warm_up=attempt == 0)
                 if busy < BUSY_CORES:
                     break
                 log.info(
@@ -679,9 +679,10 @@ class SessionHub:
                 100 * (self.admission.compute_headroom or 0),
             )
 
-    async def _calibrate(self, kind: ChunkKind) -> float:
-        """Measure a few chunks of `kind` on a session of the server's own; returns the cores
-        other processes kept busy meanwhile (the measurement is replaced on each call)."""
+    async def _calibrate(self, kind: ChunkKind, *, warm_up: bool = True) -> float:
+        """Measure a few chunks of `kind` on a session of the server's own (after one that
+        warms the engine up, the first time); returns the cores other processes kept busy
+        meanwhile (the measurement is replaced on each call)."""
         from realtime.compute import other_cpu_cores
 
         self.costs.forget(kind)
@@ -692,7 +693,8 @@ class SessionHub:
         )
         es = EngineSession(self.engine, "calibrate_" + secrets.token_hex(8), config.sampling, None)
         try:
-            for i in range(CALIBRATION_CHUNKS + 1):
+            first = 0 if warm_up else 1
+            for i in range(first, CALIBRATION_CHUNKS + 1):
                 frame = calibration_frame(kind, i)
                 params = self.chunk_params(es, config, frame)
                 # A fixed reply length: the inter-token step needs two tokens or more.
