@@ -56,7 +56,7 @@ to two measured machines (2 cores each, issue #48 and docs/benchmarks.md, "Camer
 on the AVX2 one (a frame alone 700 ms, 177 ms marginal) one camera meets a 1 s period and two
 miss it (p99 1,412 ms): 2 cameras ask 0.88, refused above 0.85; on the AVX-512 one (337 ms
 alone, 52 ms marginal) 12 cameras answered within the second and 13 did not, and 0.85 admits
-10. `bench.camera_box` measures the true capacity and the admitted count on a machine."""
+10. `bench.capacity --box` measures the true capacity and the admitted count on a machine."""
 
 
 @dataclass(frozen=True)

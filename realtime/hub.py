@@ -82,12 +82,12 @@ def _cpu_seconds() -> tuple[float, float, float] | None:
     or None where /proc/stat cannot be read."""
     import os
 
-    import psutil
-
     try:
+        import psutil  # a dependency of vLLM
+
         with open("/proc/stat", encoding="ascii") as f:
             fields = [float(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
+    except (ImportError, OSError, ValueError):
         return None
     hz = float(os.sysconf("SC_CLK_TCK"))
     # user nice system idle iowait irq softirq steal: idle and iowait are not busy.
