@@ -244,8 +244,9 @@ def _add_operation_flags(serve: argparse.ArgumentParser) -> None:
         "--compute-headroom",
         type=_non_negative_float,
         default=DEFAULT_HEADROOM,
-        help="share of the engine's time the open sessions' frames may take, by their declared "
-        "pace and the measured cost of a chunk (0: admit by KV and session counts only)",
+        help="share of a session's period its frame may take (alone, plus what the other "
+        "sessions add by their declared pace and measured cost; 0: admit by KV and session "
+        "counts only)",
     )
     serve.add_argument(
         "--chunk-cost-ms",
