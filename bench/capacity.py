@@ -622,6 +622,8 @@ def run_box(args: argparse.Namespace) -> dict[str, Any]:
         result["startup_s_admission_off"] = srv.startup_s
         capacity, levels = asyncio.run(_levels(srv.url, args))
     result["true_capacity"] = capacity
+    # Every level tried met the SLO: the true capacity is at least this (raise --max-level).
+    result["true_capacity_capped"] = capacity == args.max_level
     result["levels_admission_off"] = levels
     on = list(args.serve_args)
     if args.headroom is not None:
