@@ -624,8 +624,12 @@ class Admission:
         media = self.media_of(config)
         if kind == "frame" and media is not None:
             scale = media.chunk_tokens(self.chunk_caps(config)[1]) / media.chunk_tokens(1)
-        chunk_ms = cost.chunk_ms(config.sampling.max_tokens, prefill_scale=scale)
-        return SessionLoad(frames_per_s=config.limits.frames_per_s, chunk_ms=chunk_ms)
+        tokens = config.sampling.max_tokens
+        return SessionLoad(
+            frames_per_s=config.limits.frames_per_s,
+            chunk_ms=cost.chunk_ms(tokens, prefill_scale=scale),
+            solo_ms=cost.solo_ms(tokens, prefill_scale=scale),
+        )
 
     def check_compute(
         self, config: SessionConfig, open_configs: list[SessionConfig], costs: CostModel

@@ -98,6 +98,8 @@ def _cmd_serve(args: argparse.Namespace, passthrough: list[str]) -> int:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype,
+        max_sessions=args.max_sessions,
         consolidation=args.consolidation,
         reprefill_piece=args.reprefill_piece,
         extra=parse_engine_passthrough(passthrough),
@@ -160,8 +162,8 @@ def _add_engine_flags(serve: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=None,
         help="KV pool size, bytes (default: on a GPU, vLLM's --gpu-memory-utilization share of "
-        f"its memory; on CPU, {CPU_KV_SHARE * 100:.0f}%% of the memory available to the worker's "
-        "NUMA node)",
+        "its memory; on CPU, what --max-sessions whole-context sessions reserve, plus 10%%, at "
+        f"most {CPU_KV_SHARE * 100:.0f}%% of the memory available to the worker's NUMA node)",
     )
     serve.add_argument("--max-num-seqs", type=int, default=32)
 
@@ -246,8 +248,9 @@ def _add_operation_flags(serve: argparse.ArgumentParser) -> None:
         "--compute-headroom",
         type=_non_negative_float,
         default=DEFAULT_HEADROOM,
-        help="share of the engine's time the open sessions' frames may take, by their declared "
-        "pace and the measured cost of a chunk (0: admit by KV and session counts only)",
+        help="share of a session's period its frame may take (alone, plus what the other "
+        "sessions add by their declared pace and measured cost; 0: admit by KV and session "
+        "counts only)",
     )
     serve.add_argument(
         "--chunk-cost-ms",
@@ -294,6 +297,16 @@ def _add_checkpoint_flags(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_machine_flags(serve: argparse.ArgumentParser) -> None:
+    """What the machine decides unless told: the dtype (the KV pool is --kv-cache-memory-bytes)."""
+    serve.add_argument(
+        "--dtype",
+        default="auto",
+        help="the model's dtype (default auto: on CPU, bfloat16 where the CPU has native bf16 "
+        "(avx512_bf16 or amx_bf16), else float32; on a GPU, vLLM's choice)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-realtime", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -304,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         _add_retention_flags,
         _add_operation_flags,
         _add_checkpoint_flags,
+        _add_machine_flags,
     ):
         add_flags(serve)
     models = sub.add_parser("models", help="list or build the embedded default models")

@@ -79,26 +79,79 @@ def _cpu_node_available_bytes() -> int:
     return int(get_memory_node_info(cpus[0].numa_node if cpus else 0).available_memory)
 
 
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""CPU flags (/proc/cpuinfo) of native bfloat16 matmuls. Without one, torch emulates bf16: on an
+AVX2 EPYC a 1024^3 matmul ran at 0.95 GFLOP/s in bf16 against 90 in float32, and one camera's
+frame took 1,301 ms in bf16 against 620 ms in float32 (issue #48)."""
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags, from `cpuinfo` (the text of /proc/cpuinfo; read when None).
+    Empty where there is no such file (not Linux): then no native bf16 is assumed."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
 @dataclass(frozen=True)
 class EnginePlatform:
     """What serve's engine arguments depend on about the machine: detected at start, given by
-    tests (so the CUDA arguments are tested on a machine without a GPU)."""
+    tests (so the CUDA arguments, and each CPU's dtype, are tested on any machine)."""
 
     cuda: bool
     # Bytes available to the CPU worker's memory node (None on a GPU: vLLM sizes KV there).
     available_memory: int | None = None
+    # The CPU's feature flags (cpu_flags): they choose the CPU dtype.
+    flags: frozenset[str] = frozenset()
 
     @classmethod
     def detect(cls) -> EnginePlatform:
         if _has_cuda():
             return cls(cuda=True)
-        return cls(cuda=False, available_memory=_cpu_node_available_bytes())
+        return cls(cuda=False, available_memory=_cpu_node_available_bytes(), flags=cpu_flags())
 
 
-def default_cpu_kv_bytes(available_memory: int) -> int:
-    """The CPU KV pool when --kv-cache-memory-bytes is not given: CPU_KV_SHARE of the memory
-    available to the worker's node, in whole MiB. Refused, with what to do, when that is below
-    CPU_KV_MIN_BYTES (vLLM would refuse later, or serve a pool too small to admit a session)."""
+def choose_dtype(requested: str, platform: EnginePlatform) -> tuple[str, str]:
+    """The dtype to serve in and the start-up line that says why. An explicit one (`--dtype`)
+    stands; "auto" on a GPU is vLLM's choice; "auto" on a CPU is bfloat16 where the CPU has
+    native bf16 (NATIVE_BF16_FLAGS), else float32 (vLLM's CPU platform would take bf16 there
+    and emulate it, at a tenth of float32's speed or less)."""
+    if requested != "auto":
+        return requested, f"dtype: {requested} (--dtype)"
+    if platform.cuda:
+        return "auto", "dtype: vLLM's choice for the GPU (--dtype sets one)"
+    native = sorted(set(NATIVE_BF16_FLAGS) & platform.flags)
+    if native:
+        return "bfloat16", (
+            f"dtype: bfloat16, the CPU has native bf16 ({', '.join(native)}); --dtype sets one"
+        )
+    return "float32", (
+        "dtype: float32, the CPU has no native bf16 (no "
+        + "/".join(NATIVE_BF16_FLAGS)
+        + " flag), where bf16 runs emulated, several times slower; --dtype sets one"
+    )
+
+
+CPU_KV_MARGIN = 0.1
+"""Over what the admitted sessions can reserve: a margin for vLLM's own use of the pool (the
+null block, a request in flight between a close and its blocks' return)."""
+
+
+def default_cpu_kv_bytes(available_memory: int, sessions_bytes: int | None = None) -> int:
+    """The CPU KV pool when --kv-cache-memory-bytes is not given, in whole MiB: what the
+    sessions the server admits can reserve (`sessions_bytes`, plus CPU_KV_MARGIN), capped by
+    CPU_KV_SHARE of the memory available to the worker's node (the whole share when the
+    sessions' need is unknown: a model without a readable config). Refused, with what to do,
+    when that is below CPU_KV_MIN_BYTES (vLLM would refuse later, or serve a pool too small to
+    admit a session)."""
     share = int(available_memory * CPU_KV_SHARE) >> 20 << 20
     if share < CPU_KV_MIN_BYTES:
         raise EngineConfigError(
@@ -108,7 +161,40 @@ def default_cpu_kv_bytes(available_memory: int) -> int:
             "--kv-cache-memory-bytes explicitly (vLLM refuses a pool larger than what is "
             "available once the model is loaded)."
         )
-    return share
+    if sessions_bytes is None:
+        return share
+    need = -(-int(sessions_bytes * (1 + CPU_KV_MARGIN)) >> 20) << 20  # whole MiB, rounded up
+    return min(share, max(need, CPU_KV_MIN_BYTES))
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
+    """Bytes one token's keys and values take in the pool, from the model's config.json (a local
+    model directory), or None where that is not known (a hub id, an unknown dtype)."""
+    import json
+    from pathlib import Path
+
+    config_file = Path(model_path) / "config.json"
+    if dtype == "auto" or dtype not in _DTYPE_BYTES or not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    text = config.get("text_config") or config
+    try:
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        layers = int(text["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return layers * 2 * kv_heads * head_dim * _DTYPE_BYTES[dtype]
+
+
+def whole_context_blocks(max_model_len: int, block_size: int) -> int:
+    """The largest reservation any session can make, in blocks: a whole context plus one block
+    (realtime/admission.py `unbounded_footprint`; a default video session reserves it)."""
+    return -(-max_model_len // block_size) + 1
 
 
 def retention_on(settings: EngineSettings) -> bool:
@@ -230,7 +316,11 @@ class EngineSettings:
     kv_cache_memory_bytes: int | None = None
     block_size: int | None = None
     max_num_seqs: int = 32
+    # "auto": float32 or bfloat16 by the CPU's flags (choose_dtype), vLLM's choice on a GPU.
     dtype: str = "auto"
+    # The sessions the server admits (--max-sessions): the CPU's default KV pool is sized for
+    # them (at most max_num_seqs). None: CPU_KV_SHARE of the memory available.
+    max_sessions: int | None = None
     seed: int = 0
     # None: eager on CPU (the CPU build captures no graphs), CUDA graphs on a GPU.
     enforce_eager: bool | None = None
@@ -279,9 +369,14 @@ def _refuse_unservable(
 
 
 def _kv_pool(
-    settings: EngineSettings, extra: dict[str, Any], platform: EnginePlatform
+    settings: EngineSettings,
+    extra: dict[str, Any],
+    platform: EnginePlatform,
+    sessions: tuple[int, int, int] | None = None,
 ) -> tuple[int | None, str]:
-    """The KV pool's size in bytes (None: vLLM sizes it) and how it was decided, for the log."""
+    """The KV pool's size in bytes (None: vLLM sizes it) and how it was decided, for the log.
+    `sessions`: (the sessions the server admits, blocks one can reserve at most, bytes a block
+    takes), where known."""
     kv_bytes = settings.kv_cache_memory_bytes
     if kv_bytes is not None:
         kv_note = f"{kv_bytes / (1 << 20):.0f} MiB (--kv-cache-memory-bytes)"
@@ -297,12 +392,22 @@ def _kv_pool(
         available = platform.available_memory
         if available is None:
             available = _cpu_node_available_bytes()
-        kv_bytes = default_cpu_kv_bytes(available)
-        kv_note = (
-            f"{kv_bytes / (1 << 20):.0f} MiB = {CPU_KV_SHARE:.0%} of the "
-            f"{available / (1 << 30):.2f} GiB available to the CPU worker "
-            "(--kv-cache-memory-bytes sets it)"
+        cap = (
+            f"{CPU_KV_SHARE:.0%} of the {available / (1 << 30):.2f} GiB available to the CPU worker"
         )
+        if sessions is None:
+            kv_bytes = default_cpu_kv_bytes(available)
+            kv_note = f"{kv_bytes / (1 << 20):.0f} MiB = {cap} (--kv-cache-memory-bytes sets it)"
+        else:
+            count, blocks, block_bytes = sessions
+            need = count * blocks * block_bytes
+            kv_bytes = default_cpu_kv_bytes(available, need)
+            capped = f" (capped: {cap})" if kv_bytes < need * (1 + CPU_KV_MARGIN) else ""
+            kv_note = (
+                f"{kv_bytes / (1 << 20):.0f} MiB = {count} sessions x {blocks} blocks (the "
+                f"largest reservation, a whole context) x {block_bytes / 1024:.0f} KiB a block "
+                f"+ {CPU_KV_MARGIN:.0%}{capped}; --kv-cache-memory-bytes sets it"
+            )
     return kv_bytes, kv_note
 
 
@@ -321,10 +426,14 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
     enforce_eager = settings.enforce_eager
     if enforce_eager is None:
         enforce_eager = not platform.cuda
+    # An engine argument passed through (--dtype after serve's own flags) is the operator's too.
+    dtype, dtype_note = choose_dtype(str(extra.pop("dtype", settings.dtype)), platform)
+    log.info("%s", dtype_note)
+    model = resolve_model(settings.model)
     kwargs: dict[str, Any] = dict(
-        model=resolve_model(settings.model),
+        model=model,
         max_num_seqs=settings.max_num_seqs,
-        dtype=settings.dtype,
+        dtype=dtype,
         seed=settings.seed,
         enforce_eager=enforce_eager,
         mm_processor_cache_gb=0,
@@ -340,9 +449,6 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     context = f"{max_model_len} tokens" if max_model_len is not None else "the model's own (vLLM's)"
-    kv_bytes, kv_note = _kv_pool(settings, extra, platform)
-    if kv_bytes is not None:
-        kwargs["kv_cache_memory_bytes"] = kv_bytes
     if settings.block_size is not None:
         kwargs["block_size"] = settings.block_size
     elif not platform.cuda:
@@ -352,6 +458,11 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
 
         # Our worker builds the V2 runner with the bounded-session hooks (retention/vllm_adapter/v2/worker.py).
         kwargs["worker_cls"] = worker_cls_for(platform.cuda)
+    kv_bytes, kv_note = _kv_pool(
+        settings, extra, platform, _sessions_need(settings, model, dtype, max_model_len, kwargs)
+    )
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
     kwargs.update(extra)
     if settings.max_frame_pixels is not None and "mm_processor_kwargs" not in extra:
         from realtime.admission import processor_kwargs
@@ -370,6 +481,24 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
         "eager (no CUDA graphs)" if kwargs["enforce_eager"] else "CUDA graphs on",
     )
     return AsyncEngineArgs(**kwargs)
+
+
+def _sessions_need(
+    settings: EngineSettings,
+    model: str,
+    dtype: str,
+    max_model_len: int | None,
+    kwargs: dict[str, Any],
+) -> tuple[int, int, int] | None:
+    """What the admitted sessions can reserve, for the CPU's default pool: (sessions, blocks one
+    reserves at most, bytes a block takes); None where one of them is not known here."""
+    block_size = kwargs.get("block_size")
+    per_token = kv_bytes_per_token(model, dtype)
+    if settings.max_sessions is None or max_model_len is None or not block_size or not per_token:
+        return None
+    sessions = min(settings.max_sessions, settings.max_num_seqs)
+    blocks = whole_context_blocks(max_model_len, int(block_size))
+    return sessions, blocks, int(block_size) * per_token
 
 
 def realtime_additional_config(settings: EngineSettings, extra: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ class Metrics:
             "KV blocks reserved by admission for the open sessions (their peak footprints).",
             registry=self.registry,
         )
+        self.kv_pool_bytes = self._kv_pool_gauge()
         self.kv_block_size = Gauge(
             "vllm_realtime_kv_block_size_tokens",
             "Tokens per KV block.",
@@ -83,4 +84,11 @@ class Metrics:
         )
         self.errors = Counter(
             "vllm_realtime_protocol_errors", "Error events sent.", ["code"], registry=self.registry
+        )
+
+    def _kv_pool_gauge(self) -> Gauge:
+        return Gauge(
+            "vllm_realtime_kv_pool_bytes",
+            "Bytes of the engine's KV pool (the CPU default: what --max-sessions can reserve).",
+            registry=self.registry,
         )

@@ -95,6 +95,10 @@ def install_engine_process_hooks(introspection: bool) -> None:
 
     # vLLM's shared-memory step rings resident from start-up, so their pages are not a slope.
     install_shm_prefault()
+    from retention.vllm_adapter.quiet_load import install_quiet_weight_loading
+
+    # One "Downcasting" line for a float32 model served in bf16, not a warning per weight.
+    install_quiet_weight_loading()
     if introspection:
         from retention.vllm_adapter.introspect import install_introspection
 

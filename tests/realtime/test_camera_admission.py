@@ -120,7 +120,7 @@ async def test_compute_admission_refuses_past_the_engine_time(
         err = await recv(sockets[3])
         assert err["type"] == "error" and err["error"]["code"] == "capacity_exceeded", err
         message = err["error"]["message"]
-        assert "compute" in message and "the 3 open sessions take 0.45 engine-s/s" in message
+        assert "compute" in message and "the 3 open sessions add 0.45 engine-s/s" in message
         assert "1 frames/s × 150 ms a chunk" in message and "headroom 0.5" in message
         # The refusal ran nothing on the engine: the admitted sessions' frames are theirs.
         assert frames(hub) == frames_before and len(hub.sessions) == 3
@@ -144,6 +144,9 @@ async def test_the_server_measures_chunk_costs_as_it_runs(vlm_engine: object) ->
         assert costs.samples("frame") == costs.samples("text") == CALIBRATION_CHUNKS
         frame = costs.cost("frame")
         assert frame is not None and frame.prefill_ms > 0
+        # A calibration taken beside other processes (a busy CI machine) gives way whole to
+        # the first chunk measured alone.
+        kept = 0 if costs.provisional("frame") else CALIBRATION_CHUNKS
         async with websockets.connect(srv.url, subprotocols=SUBPROTOCOLS) as ws:
             await open_session(ws, retention={"window_chunks": 2}, sampling={"max_tokens": 8})
             measurable = 0
@@ -151,4 +154,6 @@ async def test_the_server_measures_chunk_costs_as_it_runs(vlm_engine: object) ->
                 done = await answered(ws, image_event(seed))
                 measurable += done["usage"]["completion_tokens"] >= 2
             # Every chunk that had the engine to itself and two tokens or more is measured.
-            assert costs.samples("frame") == CALIBRATION_CHUNKS + measurable
+            assert costs.samples("frame") == (
+                kept + measurable if measurable else CALIBRATION_CHUNKS
+            )

@@ -92,7 +92,7 @@ def test_the_start_up_log_says_what_was_decided(caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.INFO, logger="realtime.engine"):
         build_engine_args(EngineSettings(model="tiny-qwen2-vl"), SMALL_CPU)
         build_engine_args(EngineSettings(model="tiny-qwen2-vl"), CUDA)
-    cpu, cuda = (r.getMessage() for r in caplog.records)
+    cpu, cuda = (r.getMessage() for r in caplog.records if r.getMessage().startswith("engine"))
     assert cpu == (
         "engine on CPU: context 2048 tokens, KV pool 1973 MiB = 25% of the 7.71 GiB available "
         "to the CPU worker (--kv-cache-memory-bytes sets it), eager (no CUDA graphs)"
