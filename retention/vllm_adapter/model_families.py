@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from retention.vllm_adapter.errors import VLLMAdapterError
+
 PositionScheme = Literal["1D", "mRoPE"]
 
 
@@ -114,7 +116,7 @@ COVERED_FAMILIES: Final[tuple[ModelFamily, ...]] = (
 FAMILIES: Final[dict[str, ModelFamily]] = {f.architecture: f for f in COVERED_FAMILIES}
 
 
-class UncoveredModelFamily(RuntimeError):
+class UncoveredModelFamily(VLLMAdapterError, RuntimeError):
     """The served model's family is not one the engine hooks are proven on."""
 
 
