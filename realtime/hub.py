@@ -46,6 +46,7 @@ from realtime.metrics import Metrics
 from realtime.prompt_format import ChatFormat
 from realtime.session_store import SessionStore, StoredSession
 from realtime.structured import validate_format
+from retention.vllm_adapter.model_families import stores_frames as family_stores_frames
 from vllm_realtime_protocol import (
     EngineError,
     Frame,
@@ -140,21 +141,12 @@ def calibration_frame(kind: ChunkKind, index: int) -> Frame:
     )
 
 
-# Families whose video sessions are stored: frames are one run of one placeholder token each
-# (images and clips alike), so a rebuild can pass them again from single pads
-# (realtime/engine_session.media_prompt), and a test rebuilds one (tests/retention/
-# test_restore_video.py, the default model). Qwen2.5-VL has the same layout but scales a clip's
-# temporal positions, and no test rebuilds one yet; Qwen3-VL writes a clip's timestamps between
-# its frames' runs; SmolVLM splits an image into tiles with their own tokens. Their video
-# sessions stay resumable on their own replica only.
-_STORABLE_FRAME_FAMILIES = ("Qwen2VLForConditionalGeneration",)
-
-
 def storable_frames(engine: Any) -> dict[str, int] | None:
     """The served model's placeholder token per frame kind, if its video sessions can be
-    stored (rebuilt elsewhere from their frames); else None."""
+    stored (rebuilt elsewhere from their frames; the family table's `stores_frames` column,
+    retention/vllm_adapter/model_families.py); else None."""
     config = engine.model_config.hf_config
-    if not set(getattr(config, "architectures", None) or ()) & set(_STORABLE_FRAME_FAMILIES):
+    if not family_stores_frames(getattr(config, "architectures", None)):
         return None
     image, video = getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)
     if not isinstance(image, int) or not isinstance(video, int):

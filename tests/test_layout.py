@@ -201,3 +201,90 @@ def test_no_function_is_over_80_lines() -> None:
     assert grown == {}, "a known long function grew"
     fixed = sorted(k for k in LONG_KNOWN if k not in found)
     assert fixed == [], "now within 80 lines: drop it from LONG_KNOWN"
+
+
+_PRODUCT_TOPS = ("vllm_realtime_protocol", "retention", "realtime", "vllm_realtime_client")
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the product modules it imports (function-level imports included)."""
+    folders = ("vllm_realtime_protocol", "retention", "realtime", "clients/python")
+    files = [(rel, tree) for rel, tree in _modules(*folders)]
+    names = {}
+    for rel, _ in files:
+        name = rel.removeprefix("clients/python/").removesuffix(".py").replace("/", ".")
+        names[rel] = name.removesuffix(".__init__")
+    known = set(names.values())
+    graph: dict[str, set[str]] = {}
+    for rel, tree in files:
+        package = rel.removeprefix("clients/python/")
+        deps: set[str] = set()
+        for imported in _imports(package, tree):
+            # `from a.b import c` names a.b.c: the module a.b.c if there is one, else a.b.
+            while imported and imported not in known:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != names[rel] and imported.split(".")[0] in _PRODUCT_TOPS:
+                deps.add(imported)
+        graph[names[rel]] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for dep in sorted(graph.get(node, ())):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in on_stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_product_packages_import_each_other_without_a_cycle() -> None:
+    """vllm_realtime_protocol, retention, realtime and the Python SDK: no module reaches itself
+    through imports, lazy (function-level) ones included. A package's __init__ counts as a
+    module, so `from pkg import x` inside pkg's own submodule is a cycle too."""
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_adapters_errors_have_one_root() -> None:
+    """Every exception class retention/vllm_adapter defines on a builtin exception also derives
+    from VLLMAdapterError (errors.py); a subclass of one of its own errors inherits it.
+    `_SessionOver` is control flow inside streaming.py, never raised to a caller."""
+    builtin = {"Exception", "RuntimeError", "ValueError", "TypeError", "KeyError", "LookupError"}
+    unrooted = []
+    for rel, tree in _modules("retention/vllm_adapter"):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef) or node.name in {
+                "VLLMAdapterError",
+                "_SessionOver",
+            }:
+                continue
+            bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+            if bases & builtin and "VLLMAdapterError" not in bases:
+                unrooted.append(f"{rel}:{node.name}")
+    assert unrooted == []

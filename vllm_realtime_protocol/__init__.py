@@ -11,6 +11,7 @@ from vllm_realtime_protocol.auth import (
     key_from_subprotocols,
     select_subprotocol,
 )
+from vllm_realtime_protocol.client import ClientProtocol
 from vllm_realtime_protocol.codec import (
     MediaFormat,
     decode_base64_payload,
@@ -142,6 +143,7 @@ __all__ = [
     "ChunkLimits",
     "ChunkTooLarge",
     "ClientEvent",
+    "ClientProtocol",
     "ClientSecret",
     "ClientSecretRequest",
     "CloseReason",

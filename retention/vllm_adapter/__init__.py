@@ -13,23 +13,31 @@ the scheduler and front-end parts work, and serving is refused (`check_serving_s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
+
+from retention.vllm_adapter.errors import VLLMAdapterError
+from retention.vllm_adapter.versions import (
+    SERVING_VLLM_VERSION,
+    SUPPORTED_VLLM_VERSIONS,
+    WORKER_HOOKS_EXECUTED_ON,
+)
 
 if TYPE_CHECKING:
     from retention.vllm_adapter.capabilities import VLLMCapabilities
 
-SUPPORTED_VLLM_VERSIONS: Final = ("0.32.0", "0.33.0", "0.34.0")
-"""Each is tested: 0.32.0 by `make test`, 0.33.0 and 0.34.0 by `make compat`."""
+__all__ = [
+    "SERVING_VLLM_VERSION",
+    "SUPPORTED_VLLM_VERSIONS",
+    "WORKER_HOOKS_EXECUTED_ON",
+    "UnsupportedVLLMVersion",
+    "VLLMAdapterError",
+    "check_serving_support",
+    "check_vllm_version",
+    "installed_vllm_version",
+]
 
-WORKER_HOOKS_EXECUTED_ON: Final = ("0.32.0",)
-"""Where tests execute the worker hooks (the model-runner patches): bounded sessions are served
-only there. 0.33.0 keeps the V1 runner but has no CPU build to run them; 0.34.0 removed it."""
 
-SERVING_VLLM_VERSION: Final = "0.32.0"
-"""What scripts/setup.sh installs, and what error messages recommend."""
-
-
-class UnsupportedVLLMVersion(RuntimeError):
+class UnsupportedVLLMVersion(VLLMAdapterError, RuntimeError):
     """The installed vLLM is not one the engine hooks were written for, or cannot serve."""
 
 

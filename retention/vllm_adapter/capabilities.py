@@ -3,7 +3,7 @@
 Theory of operation
 ===================
 
-The adapter supports several vLLM releases (`SUPPORTED_VLLM_VERSIONS` in `__init__.py`). Where
+The adapter supports several vLLM releases (`SUPPORTED_VLLM_VERSIONS` in `versions.py`). Where
 they differ, the code consults this record, never a version string: each field is found by
 looking at the installed vLLM itself (a module that exists, an attribute, a name a function's
 bytecode reads, the result of calling vLLM's own fold on a throwaway request), once per process,
@@ -74,7 +74,7 @@ class VLLMCapabilities:
     @property
     def serving_refusal(self) -> str | None:
         """Why this vLLM cannot serve bounded sessions, or None."""
-        from retention.vllm_adapter import WORKER_HOOKS_EXECUTED_ON
+        from retention.vllm_adapter.versions import WORKER_HOOKS_EXECUTED_ON
 
         if self.v1_model_runner and self.version.split("+", 1)[0] in WORKER_HOOKS_EXECUTED_ON:
             return None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from retention.vllm_adapter.heap_trim import libc_function, trim_now
-from retention.vllm_adapter.introspect import _rss_bytes, _rss_split
+from retention.vllm_adapter.rss import _rss_bytes, _rss_split
 
 HEAP_STATS_METHOD = "vllm_realtime_heap_stats"
 # Per-process diagnostic state: "mallinfo2" (bound once: a ctypes type per call would leak),

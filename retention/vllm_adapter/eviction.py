@@ -118,12 +118,13 @@ from retention.policy import (
 )
 from retention.records import SessionSnapshot
 from retention.vllm_adapter.capabilities import skip_prefix_cache_reads
+from retention.vllm_adapter.errors import VLLMAdapterError
 from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, with_offset_reset
 from retention.vllm_adapter.kv_range import evict_token_range_for_request, is_hashed_block
 from retention.vllm_adapter.mrope import PositionFunction, chunk_excess, local_features
 
 
-class RetentionConfigError(ValueError):
+class RetentionConfigError(VLLMAdapterError, ValueError):
     """A retention budget that this engine cannot serve."""
 
 

@@ -29,13 +29,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from retention.vllm_adapter.errors import VLLMAdapterError
+
 FOLD_CONTROL_KEY: Final = "vllm_realtime.fold_control"
 FOLD_CONTROL_VERSION: Final = 2
 _FOLD_ATTR: Final = "_vllm_realtime_fold"
 _RESUMES_ATTR: Final = "_vllm_realtime_resumes"
 
 
-class FoldControlError(RuntimeError):
+class FoldControlError(VLLMAdapterError, RuntimeError):
     """The worker's state and the scheduler's fold control disagree, or the record is not one
     this worker can read."""
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from retention.vllm_adapter.rss import _rss_bytes, _rss_split
+
 KV_STATS_METHOD = "vllm_realtime_kv_stats"
 
 
@@ -59,36 +61,6 @@ def _kv_stats(core: Any) -> dict[str, Any]:
         "encoder_cache_entries": None if encoder is None else len(encoder.cached),
         "rss_bytes": _rss_bytes(),
     }
-
-
-def _rss_bytes() -> int | None:
-    """Resident set size of this (the EngineCore) process; None where /proc is missing."""
-    import os
-
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-_RSS_KINDS = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
-
-
-def _rss_split() -> dict[str, int]:
-    """RSS by kind (bytes): "anon" (heaps, mmapped allocations), "file" (pages of mapped
-    files: libraries, weights), which grows as rarely used code is first touched and is not a
-    leak, and "shmem" (shared memory segments). Empty where /proc is missing."""
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                kind = _RSS_KINDS.get(line.split(maxsplit=1)[0] if line.strip() else "")
-                if kind is not None:
-                    out[kind] = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return {}
-    return out
 
 
 WORKER_STATS_METHOD = "vllm_realtime_worker_stats"

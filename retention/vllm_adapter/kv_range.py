@@ -111,6 +111,7 @@ from vllm.v1.core.single_type_kv_cache_manager import (
 )
 
 from retention.vllm_adapter.capabilities import vllm_capabilities
+from retention.vllm_adapter.errors import VLLMAdapterError
 
 __all__ = [
     "PREFIX_CACHE_FROZEN",
@@ -134,7 +135,7 @@ PREFIX_CACHE_FROZEN: Final[int] = sys.maxsize
 """``num_cached_block`` value of a request whose table was compacted: never cache again."""
 
 
-class KVRangeError(ValueError):
+class KVRangeError(VLLMAdapterError, ValueError):
     """Base class: a KV range cannot be freed; nothing was changed."""
 
 

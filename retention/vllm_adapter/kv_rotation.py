@@ -29,13 +29,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from retention.vllm_adapter.errors import VLLMAdapterError
+
 ROTATABLE_ROPE_TYPES: Final = frozenset({"default", "llama3"})
 """``rope_type`` values (HF config) whose vLLM module is one of ``_ROTATABLE_CLASSES``."""
 _ROTATABLE_CLASSES: Final = ("RotaryEmbedding", "Llama3RotaryEmbedding")
 _ROTATOR_ATTR: Final = "_vllm_realtime_kv_rotator"
 
 
-class KVRotationError(RuntimeError):
+class KVRotationError(VLLMAdapterError, RuntimeError):
     """The worker cannot rotate this model's cached keys (the scheduler should not have asked)."""
 
 

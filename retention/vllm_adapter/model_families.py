@@ -14,6 +14,11 @@ starts (``realtime/hub.py``) and when a bounded session reaches the scheduler
 A family is keyed by the architecture vLLM instantiates (``config.json``'s ``architectures``).
 The position scheme is checked against the engine too: a covered architecture whose config
 asks for the other scheme (e.g. mRoPE on a Llama) is refused.
+
+This table is the one place these facts live: the README's family table is generated from it
+(`readme_table`, checked by tests/retention/test_model_families.py), and the server reads
+whether a family's video sessions can be stored from its `stores_frames` column. The module is
+pure (no vLLM import), so the serving layer may read it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
+
+from retention.vllm_adapter.errors import VLLMAdapterError
 
 PositionScheme = Literal["1D", "mRoPE"]
 
@@ -35,6 +42,18 @@ class ModelFamily:
     proven_by: tuple[str, ...]
     """Test modules (repository paths) whose oracles run sessions of this family."""
     note: str = ""
+    scheme_note: str = ""
+    """What the README's positions column adds to the scheme."""
+    media: bool = True
+    """Whether its sessions carry images or clips (a text family has no video sessions)."""
+    stores_frames: bool = False
+    """Whether its video sessions are stored (rebuilt elsewhere from their frames). Only where
+    frames are one run of one placeholder token each (images and clips alike), so a rebuild can
+    pass them again from single pads (realtime/engine_session.media_prompt), and a test rebuilds
+    one (tests/retention/test_restore_video.py, the default model). Qwen2.5-VL has the same
+    layout but scales a clip's temporal positions, and no test rebuilds one yet; Qwen3-VL writes
+    a clip's timestamps between its frames' runs; SmolVLM splits an image into tiles with their
+    own tokens. Their video sessions stay resumable on their own replica only."""
 
 
 COVERED_FAMILIES: Final[tuple[ModelFamily, ...]] = (
@@ -47,6 +66,7 @@ COVERED_FAMILIES: Final[tuple[ModelFamily, ...]] = (
             "tests/retention/test_rotation_consolidation.py",
             "tests/retention/test_preemption.py",
         ),
+        media=False,
     ),
     ModelFamily(
         "Qwen2VLForConditionalGeneration",
@@ -57,20 +77,23 @@ COVERED_FAMILIES: Final[tuple[ModelFamily, ...]] = (
             "tests/retention/test_video_preemption.py",
             "tests/retention/test_mrope.py",
         ),
+        stores_frames=True,
     ),
     ModelFamily(
         "Qwen2_5_VLForConditionalGeneration",
         "Qwen2.5-VL",
         "mRoPE",
-        ("tests/retention/test_qwen2_5_vl_retention.py",),
+        ("tests/retention/test_mrope_families.py",),
         "temporal scaling of clips (second_per_grid_ts x tokens_per_second)",
+        scheme_note="temporal scaling",
     ),
     ModelFamily(
         "Qwen3VLForConditionalGeneration",
         "Qwen3-VL",
         "mRoPE",
-        ("tests/retention/test_qwen3_vl_retention.py",),
+        ("tests/retention/test_mrope_families.py",),
         "interleaved mRoPE, deepstack features, timestamps as text",
+        scheme_note="interleaved",
     ),
     ModelFamily(
         "SmolVLMForConditionalGeneration",
@@ -78,6 +101,7 @@ COVERED_FAMILIES: Final[tuple[ModelFamily, ...]] = (
         "1D",
         ("tests/retention/test_smolvlm_retention.py",),
         "images with their splitting tokens; no clips (vLLM serves SmolVLM with images only)",
+        scheme_note="images with splitting tokens",
     ),
     ModelFamily(
         "Idefics3ForConditionalGeneration",
@@ -85,14 +109,38 @@ COVERED_FAMILIES: Final[tuple[ModelFamily, ...]] = (
         "1D",
         ("tests/retention/test_smolvlm_retention.py",),
         "vLLM's SmolVLM model is this class with SmolVLM's processor: the same hooks run",
+        scheme_note="vLLM's SmolVLM is this class",
     ),
 )
 
 FAMILIES: Final[dict[str, ModelFamily]] = {f.architecture: f for f in COVERED_FAMILIES}
 
 
-class UncoveredModelFamily(RuntimeError):
+class UncoveredModelFamily(VLLMAdapterError, RuntimeError):
     """The served model's family is not one the engine hooks are proven on."""
+
+
+def stores_frames(architectures: Sequence[str] | None) -> bool:
+    """Whether a model of these architectures has its video sessions stored."""
+    return any(FAMILIES[a].stores_frames for a in architectures or () if a in FAMILIES)
+
+
+README_HEADER: Final = (
+    "| family (vLLM architecture) | positions | proven by | video sessions stored |\n"
+    "| --- | --- | --- | --- |"
+)
+
+
+def readme_table() -> str:
+    """The README's family table, generated from `COVERED_FAMILIES`."""
+    rows = [README_HEADER]
+    for f in COVERED_FAMILIES:
+        scheme = f"{f.positions}, {f.scheme_note}" if f.scheme_note else f.positions
+        proofs = ", ".join(f"`{path}`" for path in f.proven_by)
+        stored = "yes" if f.stores_frames else "no (resumable on its own replica)"
+        stored = stored if f.media else "text only"
+        rows.append(f"| {f.family} (`{f.architecture}`) | {scheme} | {proofs} | {stored} |")
+    return "\n".join(rows)
 
 
 def covered_names() -> str:

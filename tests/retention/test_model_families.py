@@ -24,26 +24,34 @@ from retention.vllm_adapter.model_families import (
     UncoveredModelFamily,
     check_model_family,
     family_problem,
+    readme_table,
+    stores_frames,
 )
 
 REPO = Path(__file__).resolve().parents[2]
-
-# Proven by issue #42's Qwen tests, which land from another branch: drop this set once they are
-# in the tree, so the table can never name a test that does not exist.
-_PROVEN_ON_ANOTHER_BRANCH = {
-    "Qwen2_5_VLForConditionalGeneration",
-    "Qwen3VLForConditionalGeneration",
-}
 
 
 def test_every_covered_family_names_tests_that_exist() -> None:
     for family in COVERED_FAMILIES:
         assert family.proven_by, family
-        if family.architecture in _PROVEN_ON_ANOTHER_BRANCH:
-            continue
         for path in family.proven_by:
             assert (REPO / path).is_file(), (family.architecture, path)
     assert len(FAMILIES) == len(COVERED_FAMILIES)
+
+
+def test_the_readme_family_table_is_the_generated_one() -> None:
+    assert readme_table() in (REPO / "README.md").read_text(), (
+        "README.md's family table differs from model_families.readme_table(): paste it in"
+    )
+
+
+def test_storability_is_the_tables_column() -> None:
+    assert [f.architecture for f in COVERED_FAMILIES if f.stores_frames] == [
+        "Qwen2VLForConditionalGeneration"
+    ]
+    assert stores_frames(["Qwen2VLForConditionalGeneration"])
+    assert not stores_frames(["Qwen3VLForConditionalGeneration"])
+    assert not stores_frames(["MistralForCausalLM"]) and not stores_frames(None)
 
 
 def test_the_embedded_models_are_covered_with_their_position_scheme() -> None:

@@ -1,0 +1,188 @@
+"""Sans-I/O state machine of one connection's session, as the client sees it.
+
+Theory of operation
+-------------------
+The client's machine steps through the server's own tables (``tables.py``): before an event
+goes out, :meth:`ClientProtocol.send` looks its (state, input) pair up in :data:`REFUSALS` and
+raises the very error the server would send (same class, same ``code``), so a client never
+sends what the server must refuse; otherwise it moves to the pair's :data:`TRANSITIONS` entry
+at once (the server moves there on receipt). Each server event is then fed to
+:meth:`ClientProtocol.receive`, which confirms the move, or applies the server's own
+happenings (``response.done``, ``session.closed``, a non-surviving ``error``) by the same
+table.
+
+Some refusals no table foresees: the server's checks of a payload, of a setting, of the model
+name, admission (``capacity_exceeded``), a resume token. Such an ``error`` (one with
+``session_survives``) undoes the last unconfirmed send: the state goes back to where it was
+before it (or to :data:`REFUSED_PAYLOAD_STATE`, for a binary payload, whose announcement the
+server consumes). That is exact when at most one sent event awaits its answer, which is how a
+client drives a session (it waits for each chunk's ``input.ack``).
+
+The machine does no I/O: a shell (asyncio, sync, browser) serialises what ``send`` returns,
+and parses what arrives into ``receive``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_realtime_protocol.errors import InternalError
+from vllm_realtime_protocol.events import (
+    ClientEvent,
+    ErrorEvent,
+    InputAckEvent,
+    Limits,
+    ResponseDoneEvent,
+    ServerEvent,
+    SessionClosedEvent,
+    SessionConfig,
+    SessionCreatedEvent,
+    SessionOpenedEvent,
+    SessionResumedEvent,
+    SessionUpdatedEvent,
+)
+from vllm_realtime_protocol.state import classify
+from vllm_realtime_protocol.tables import (
+    REFUSALS,
+    REFUSED_PAYLOAD_STATE,
+    TRANSITIONS,
+    Input,
+    State,
+)
+
+__all__ = ["ClientProtocol"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A sent input the server has not answered yet, and the state before it."""
+
+    input: Input
+    before: State
+
+
+class ClientProtocol:
+    """The session state of one connection, client side; feed it what is sent and received.
+
+    Typical client loop::
+
+        proto = ClientProtocol()
+        proto.receive(parse_server_event(ws.recv()))   # session.created
+        ws.send(encode_client_event(proto.send(SessionOpenEvent(modality="text"))))
+        proto.receive(parse_server_event(ws.recv()))   # session.opened (or an error)
+        ws.send(encode_client_event(proto.send(FrameAppendEvent(text="hi"))))
+        ...   # every server event goes through proto.receive
+    """
+
+    def __init__(self) -> None:
+        self._state = State.CONNECTED
+        self._unanswered: _Sent | None = None
+        self.session_id: str | None = None
+        """The session's id, from session.created (or session.resumed)."""
+        self.limits: Limits | None = None
+        """The server's limits, from session.created (or session.resumed)."""
+        self.config: SessionConfig | None = None
+        """The session's effective settings, as the server last confirmed them."""
+        self.next_frame_index = 0
+        """The frame_index the server gives the next accepted chunk."""
+        self.in_flight_frame_index: int | None = None
+        """The accepted chunk whose response.done has not arrived."""
+        self.resume_token: str | None = None
+        """The latest resume token (session.opened or session.resumed), for session.resume."""
+        self.close_reason: str | None = None
+        """Why the session closed, from session.closed."""
+
+    @property
+    def state(self) -> State:
+        """The session's state, as the server has it once it has read what was sent."""
+        return self._state
+
+    # -- what the client sends
+
+    def send(self, event: ClientEvent) -> ClientEvent:
+        """Check ``event`` against the tables and return it, to be sent; raise the server's
+        own refusal (state unchanged) where the server would refuse it."""
+        self._step(classify(event), event.event_id)
+        return event
+
+    def send_binary(self, data: bytes) -> bytes:
+        """Check a binary message (the payload of a ``binary: true`` frame.append)."""
+        self._step(Input.BINARY, None)
+        return data
+
+    def _step(self, inp: Input, event_id: str | None) -> None:
+        refusal = REFUSALS.get((self._state, inp))
+        if refusal is not None:
+            raise refusal(
+                f"{refusal.default_message} ({inp.value} in state {self._state.name})",
+                event_id=event_id,
+            )
+        # A cancel the tables allow is never refused: it is answered by the reply's response.done.
+        self._unanswered = None if inp is Input.RESPONSE_CANCEL else _Sent(inp, self._state)
+        self._state = TRANSITIONS[(self._state, inp)]
+
+    # -- what the server sends
+
+    def receive(self, event: ServerEvent) -> None:
+        """Apply a server event to the state (events that change nothing are accepted too)."""
+        if isinstance(event, SessionCreatedEvent):
+            self.session_id, self.limits = event.session_id, event.limits
+        elif isinstance(event, SessionOpenedEvent):
+            self._confirm(Input.SESSION_OPEN)
+            self.config = event.config
+            self.session_id, self.limits = event.session_id, event.limits
+            self.resume_token = event.resume_token
+        elif isinstance(event, SessionUpdatedEvent):
+            self._confirm(Input.SESSION_UPDATE)
+            self.config = event.config
+        elif isinstance(event, InputAckEvent):
+            self._ack(event)
+        elif isinstance(event, ResponseDoneEvent):
+            self._server_input(Input.RESPONSE_DONE)
+            self.in_flight_frame_index = None
+        elif isinstance(event, SessionResumedEvent):
+            self._resumed(event)
+        elif isinstance(event, SessionClosedEvent):
+            self._unanswered = None
+            self._state = State.CLOSED
+            self.close_reason = event.reason
+        elif isinstance(event, ErrorEvent):
+            self._error(event)
+
+    def _confirm(self, inp: Input) -> None:
+        if self._unanswered is not None and self._unanswered.input is inp:
+            self._unanswered = None
+
+    def _ack(self, event: InputAckEvent) -> None:
+        sent = self._unanswered
+        if sent is None or sent.input not in (Input.FRAME_APPEND, Input.BINARY):
+            raise InternalError(f"input.ack with no chunk sent (state {self._state.name})")
+        self._unanswered = None
+        self.in_flight_frame_index = event.frame_index
+        self.next_frame_index = event.frame_index + 1
+
+    def _server_input(self, inp: Input) -> None:
+        nxt = TRANSITIONS.get((self._state, inp))
+        if nxt is None:
+            raise InternalError(f"server sent {inp.value} in state {self._state.name}")
+        self._state = nxt
+
+    def _resumed(self, event: SessionResumedEvent) -> None:
+        self._confirm(Input.SESSION_RESUME)
+        parked = (
+            State.PARKED
+            if event.in_flight_frame_index is None
+            else (State.PARKED_AWAITING_RESPONSE)
+        )
+        self._state = TRANSITIONS[(parked, Input.RESUMED)]
+        self.session_id, self.limits, self.config = event.session_id, event.limits, event.config
+        self.next_frame_index = event.next_frame_index
+        self.in_flight_frame_index = event.in_flight_frame_index
+        self.resume_token = event.resume_token
+
+    def _error(self, event: ErrorEvent) -> None:
+        sent, self._unanswered = self._unanswered, None
+        if not event.error.session_survives:
+            self._server_input(Input.FATAL_ERROR)
+        elif sent is not None:
+            self._state = REFUSED_PAYLOAD_STATE.get(sent.input, sent.before)
