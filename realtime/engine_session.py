@@ -743,3 +743,18 @@ class EngineSession:
                 await outputs.aclose()  # type: ignore[attr-defined]
         with contextlib.suppress(Exception):
             await self.engine.abort(self.request_id)
+
+
+def storable_frames(engine: Any) -> dict[str, int] | None:
+    """The served model's placeholder token per frame kind, if its video sessions can be
+    stored (rebuilt elsewhere from their frames; the family table's `stores_frames` column,
+    retention/vllm_adapter/model_families.py); else None."""
+    from retention.vllm_adapter.model_families import stores_frames as family_stores_frames
+
+    config = engine.model_config.hf_config
+    if not family_stores_frames(getattr(config, "architectures", None)):
+        return None
+    image, video = getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)
+    if not isinstance(image, int) or not isinstance(video, int):
+        return None
+    return {"image": image, "video": video}

@@ -40,13 +40,13 @@ from realtime.engine_session import (
     kv_pool,
     render_chunk,
     served_model_family,
+    storable_frames,
 )
 from realtime.media import MAX_CLIP_FRAMES, decode_clip, decode_image
 from realtime.metrics import Metrics
 from realtime.prompt_format import ChatFormat
 from realtime.session_store import SessionStore, StoredSession
 from realtime.structured import validate_format
-from retention.vllm_adapter.model_families import stores_frames as family_stores_frames
 from vllm_realtime_protocol import (
     EngineError,
     Frame,
@@ -139,19 +139,6 @@ def calibration_frame(kind: ChunkKind, index: int) -> Frame:
         prompt=None,
         timestamp=None,
     )
-
-
-def storable_frames(engine: Any) -> dict[str, int] | None:
-    """The served model's placeholder token per frame kind, if its video sessions can be
-    stored (rebuilt elsewhere from their frames; the family table's `stores_frames` column,
-    retention/vllm_adapter/model_families.py); else None."""
-    config = engine.model_config.hf_config
-    if not family_stores_frames(getattr(config, "architectures", None)):
-        return None
-    image, video = getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)
-    if not isinstance(image, int) or not isinstance(video, int):
-        return None
-    return {"image": image, "video": video}
 
 
 def decode_stored_frames(

@@ -24,8 +24,13 @@ from typing import Any
 
 import pytest
 
-from realtime.engine_session import ChunkFinished, EngineSession, render_chunk, whole_chunks
-from realtime.hub import storable_frames
+from realtime.engine_session import (
+    ChunkFinished,
+    EngineSession,
+    render_chunk,
+    storable_frames,
+    whole_chunks,
+)
 from realtime.media import decode_clip, decode_image
 from realtime.models import registered_chat_format
 from realtime.session_store import MediaKind, held_media
