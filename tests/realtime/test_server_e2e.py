@@ -422,7 +422,11 @@ async def test_session_limits_shrink_the_reservation_and_are_enforced(
         await ws.send(json.dumps({"type": "session.open", **config, "limits": small}))
         opened = await recv(ws)
         assert opened["type"] == "session.opened", opened
-        assert opened["config"]["limits"] == {**small, "frames_per_s": 1.0}
+        assert opened["config"]["limits"] == {
+            **small,
+            "max_frame_pixels": None,
+            "frames_per_s": 1.0,
+        }
         default = hub.reservation_blocks(SessionConfig(**config))
         assert opened["reservation"]["bounded"]
         assert opened["reservation"]["kv_blocks"] < default

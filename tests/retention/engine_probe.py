@@ -97,7 +97,12 @@ def serve_settings(argv: list[str]) -> Any:
     from realtime import cli, server
 
     captured: list[Any] = []
-    server.run_server = lambda config, settings: captured.append(settings)  # type: ignore[assignment]
+
+    def capture(config: Any, settings: Any) -> int:
+        captured.append(settings)
+        return 0
+
+    server.run_server = capture  # type: ignore[assignment]
     assert cli.main(["serve", *argv]) == 0
     (settings,) = captured
     return settings

@@ -30,8 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGIN_MODULES = [
     "retention",
     "retention.vllm_adapter",
+    "retention.vllm_adapter.errors",
     "retention.vllm_adapter.plugin",
     "retention.vllm_adapter.settings",
+    "retention.vllm_adapter.versions",
 ]
 
 
