@@ -288,3 +288,18 @@ def test_the_adapters_errors_have_one_root() -> None:
             if bases & builtin and "VLLMAdapterError" not in bases:
                 unrooted.append(f"{rel}:{node.name}")
     assert unrooted == []
+
+
+def _is_test_module(name: str) -> bool:
+    return _under(name, "tests") and name.rpartition(".")[2].startswith("test_")
+
+
+def test_no_test_module_imports_another() -> None:
+    """What tests share lives in a conftest.py or a helper module (not test_*.py): a test
+    module imported by another would run its tests' module-level setup there, and pytest
+    would see its fixtures twice. Lazy imports count too."""
+    found = {
+        rel: sorted(n for n in _imports(rel, tree) if _is_test_module(n))
+        for rel, tree in _modules("tests")
+    }
+    assert {rel: names for rel, names in found.items() if names} == {}

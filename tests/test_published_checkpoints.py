@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,46 +27,9 @@ from realtime.engine_session import read_processor_config
 from realtime.media import DEFAULT_MAX_FRAME_PIXELS, fit_size
 from realtime.models import build_model
 from realtime.prompt_format import ChatFormat
+from tests.published_checkpoints import FAMILIES, PUBLISHED
 
-PUBLISHED = Path(__file__).resolve().parent / "published"
-
-# family -> (tiny model it is put on, template file)
-FAMILIES = {
-    "qwen2-vl": ("tiny-qwen2-vl", "qwen2_5_vl.jinja"),
-    "qwen2.5-vl": ("tiny-qwen2.5-vl", "qwen2_5_vl.jinja"),
-    "qwen3-vl": ("tiny-qwen3-vl", "qwen3_vl.jinja"),
-    "smolvlm": ("tiny-smolvlm", "smolvlm.jinja"),
-}
 FRAMES = [(224, 224), (640, 480), (1280, 720)]
-
-
-def published_checkpoint(family: str, out: Path) -> Path:
-    """The family's tiny model with the published template and processor configs: a
-    checkpoint laid out as a published one (the embedded model's nested processor config
-    removed)."""
-    tiny, template = FAMILIES[family]
-    checkpoint = out / f"published-{family}"
-    shutil.copytree(build_model(tiny), checkpoint)
-    (checkpoint / "processor_config.json").unlink()
-    for path in (PUBLISHED / family).iterdir():
-        shutil.copy(path, checkpoint / path.name)
-    shutil.copy(PUBLISHED / "templates" / template, checkpoint / "chat_template.jinja")
-    return checkpoint
-
-
-def published_smolvlm_256m(out: Path) -> Path:
-    """A tiny SmolVLM with SmolVLM-256M-Instruct's vision geometry (512-px tiles, patch 16,
-    scale factor 4: 64 tokens a tile), carrying its published template and processor configs
-    (the tiny-smolvlm's 32-px tiles cannot take them)."""
-    from realtime.models.tiny_smolvlm import build_tiny_smolvlm
-
-    checkpoint = out / "published-smolvlm-256m"
-    build_tiny_smolvlm(checkpoint, tile=512, longest_edge=2048, patch=16, scale_factor=4)
-    (checkpoint / "processor_config.json").unlink()
-    for path in (PUBLISHED / "smolvlm").iterdir():
-        shutil.copy(path, checkpoint / path.name)
-    shutil.copy(PUBLISHED / "templates" / "smolvlm.jinja", checkpoint / "chat_template.jinja")
-    return checkpoint
 
 
 def _template(family: str) -> str:

@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from realtime.models import DEFAULT_SERVE_MODEL
-from tests.clients.conftest import CLIENT_KEY, ROOT
-from tests.clients.test_demo_browser import run_demo_page
+from tests.clients.conftest import CLIENT_KEY, ROOT, run_demo_page
 from tests.conftest import engine_settings
 from tests.realtime.conftest import RunningServer, _serve
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.clients.test_demo_browser import TINY_PAGE, fresh_screenshot, run_demo_page
+from tests.clients.conftest import TINY_PAGE, fresh_screenshot, run_demo_page
 from tests.realtime.conftest import RunningServer
 
 pytestmark = pytest.mark.slow

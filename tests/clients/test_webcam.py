@@ -3,33 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import json
 import os
 import random
 import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
 from PIL import Image
 
-from tests.clients.conftest import CLIENT_KEY, ROOT, WEBCAM, need_tool
+from tests.clients.conftest import CLIENT_KEY, ROOT, WEBCAM, need_tool, webcam
 from tests.clients.fake_server import fake_server
 from tests.realtime.conftest import RunningServer
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("webcam", WEBCAM)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["webcam"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-webcam = _load()
 
 
 def jpeg(seed: int, size: tuple[int, int] = (48, 32), **save: Any) -> bytes:

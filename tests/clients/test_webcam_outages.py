@@ -11,55 +11,11 @@ import json
 
 import pytest
 
-from tests.clients.conftest import need_tool
-from tests.clients.test_webcam import webcam
+from tests.clients.conftest import need_tool, webcam
 from tests.realtime.conftest import _serve, free_port
+from tests.scale_out.conftest import Proxy
 
 pytestmark = pytest.mark.slow
-
-
-class Proxy:
-    """A TCP forwarder whose `cut()` drops every connection through it, like a network would."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = 0
-        self.server: asyncio.Server | None = None
-        self.pipes: set[asyncio.StreamWriter] = set()
-        self.cuts = 0
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.close()
-            return
-        self.pipes |= {writer, up_writer}
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(1 << 16):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-        self.pipes -= {writer, up_writer}
-
-    def cut(self) -> None:
-        self.cuts += 1
-        for writer in list(self.pipes):
-            writer.transport.abort()
-        self.pipes.clear()
-
-    async def stop(self) -> None:
-        self.cut()
-        if self.server is not None:
-            self.server.close()
 
 
 async def wait_for(condition, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
+import random
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -146,3 +148,22 @@ BOUNDED_TEXT: dict[str, Any] = {
     "retention": {"sink_chunks": 1, "window_chunks": 2},
     "sampling": {"max_tokens": 2},
 }
+
+
+def image_event(seed: int, **extra: Any) -> str:
+    """A `frame.append` event carrying `jpeg_bytes(seed)`."""
+    return json.dumps(
+        {"type": "frame.append", "image": base64.b64encode(jpeg_bytes(seed)).decode(), **extra}
+    )
+
+
+def camera_jpeg(i: int) -> bytes:
+    """A 640x480 webcam-like JPEG (the model reads it as 12 tokens), different per frame."""
+    from training.synth_frames import FrameSpec, draw_frame
+
+    colours = ["red", "green", "blue", "yellow"]
+    spec = FrameSpec(colours[i % 4], ["circle", "square"][i % 2], 1 + i % 3, "white")
+    img, _ = draw_frame(spec, random.Random(i), (640, 480))
+    out = io.BytesIO()
+    img.save(out, format="JPEG", quality=85)
+    return out.getvalue()

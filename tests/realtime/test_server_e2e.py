@@ -17,6 +17,7 @@ from tests.realtime.conftest import (
     BOUNDED_TEXT,
     SUBPROTOCOLS,
     RunningServer,
+    image_event,
     jpeg_bytes,
     open_session,
     recv,
@@ -25,12 +26,6 @@ from tests.realtime.conftest import (
 from vllm_realtime_protocol import SessionConfig
 
 pytestmark = pytest.mark.slow
-
-
-def image_event(seed: int, **extra: Any) -> str:
-    return json.dumps(
-        {"type": "frame.append", "image": base64.b64encode(jpeg_bytes(seed)).decode(), **extra}
-    )
 
 
 async def free_blocks(server: RunningServer) -> int:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.realtime.conftest import RunningServer
+from tests.realtime.conftest import RunningServer, image_event
 from tests.reliability.conftest import (
     SUBPROTOCOLS,
     drain_until_closed,
@@ -23,7 +23,6 @@ from tests.reliability.conftest import (
     recv_until,
     wait_quiescent,
 )
-from tests.reliability.test_faults import image_event
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,6 @@ no session (`wait_quiescent`)."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +13,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.realtime.conftest import BOUNDED_TEXT, RunningServer, _serve, jpeg_bytes
+from tests.realtime.conftest import BOUNDED_TEXT, RunningServer, _serve, image_event, jpeg_bytes
 from tests.reliability.conftest import (
     SUBPROTOCOLS,
     drain_until_closed,
@@ -25,12 +24,6 @@ from tests.reliability.conftest import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-def image_event(seed: int, **extra: Any) -> str:
-    return json.dumps(
-        {"type": "frame.append", "image": base64.b64encode(jpeg_bytes(seed)).decode(), **extra}
-    )
 
 
 async def hang_up(ws: Any, how: str) -> None:

@@ -35,6 +35,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from realtime.models import model_dir
+from retention.vllm_adapter.session_scheduler import RealtimeSessionScheduler
 
 init_none_hash(sha256)
 
@@ -241,3 +242,21 @@ def make_async_llm(scheduler: Any) -> tuple[Any, FakeEngineCore]:
             log_requests=False,
         )
     return engine, core
+
+
+# A chunk of 31 tokens plus the one reply token a fold keeps (max_tokens 2, the last sampled
+# token is dropped) is one 32-token segment: two whole blocks, so eviction frees whole chunks.
+CHUNK = 31
+
+
+class SchedulerOnly(RealtimeSessionScheduler):
+    """The scheduler half alone: no worker here to need the worker hooks."""
+
+    requires_worker_hooks = False
+
+
+def chunk_tokens(i: int) -> list[int]:
+    return [100 + 40 * i + k for k in range(CHUNK)]
+
+
+BUDGET = {"sink_chunks": 1, "window_chunks": 2, "consolidation": "reprefill"}

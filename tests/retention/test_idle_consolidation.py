@@ -23,13 +23,7 @@ import pytest
 
 from realtime.engine_session import ChunkFinished, EngineSession
 from retention.vllm_adapter.introspect import kv_stats, retention_state
-from tests.retention.test_text_retention import (
-    TOLERANCE,
-    chunk_tokens,
-    hf_logprobs,
-    hf_model,  # noqa: F401  (fixture)
-    tokenizer,  # noqa: F401  (fixture)
-)
+from tests.retention.text_oracle import TOLERANCE, chunk_tokens, hf_logprobs
 from vllm_realtime_protocol import SamplingConfig
 
 pytestmark = pytest.mark.slow
@@ -114,8 +108,8 @@ def assert_fresh_prefill(model: Any, state: dict[str, Any], chunk: list[int], go
 
 async def test_idle_consolidation_and_a_chunk_arriving_during_it(
     smollm2_engine: Any,
-    hf_model: Any,  # noqa: F811
-    tokenizer: Any,  # noqa: F811
+    hf_model: Any,
+    tokenizer: Any,
 ) -> None:
     rec = Recording(smollm2_engine)
     rid = f"idle-{uuid.uuid4().hex[:12]}"
@@ -198,7 +192,7 @@ async def test_idle_consolidation_and_a_chunk_arriving_during_it(
 
 async def test_a_client_without_idle_time_gets_its_consolidations_inline(
     smollm2_engine: Any,
-    tokenizer: Any,  # noqa: F811
+    tokenizer: Any,
 ) -> None:
     # Chunks sent back to back leave no gap: once a consolidation is known to take longer than
     # the client's gaps, EngineSession leaves the next one to the chunk's own fold (one pass)

@@ -11,10 +11,6 @@ pin how the plugin finds the engine's config.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +18,7 @@ import pytest
 
 from retention.vllm_adapter import plugin
 from retention.vllm_adapter.settings import INTROSPECTION, REALTIME_CONFIG_KEY
+from tests.retention.conftest import run_probe
 from tests.retention.engine_probe import CORE_UTILITIES, WORKER_UTILITIES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,19 +76,7 @@ def test_without_an_engine_config_the_plugin_does_nothing(monkeypatch: Any) -> N
 
 
 def _probe(*argv: str) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.retention.engine_probe", *argv],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    report: dict[str, Any] = json.loads(lines[-1].removeprefix("PROBE "))
-    return report
+    return run_probe("engine_probe", *argv, env={"PYTHONPATH": str(ROOT)}, timeout=600)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ compacted tokens. Checked here, for a session with a sink chunk and one without:
 
 (a) the session's next reply equals its oracle: every token since the resume sees everything
     held at its position 0..n-1 (a fresh prefill), later chunks see what the cache held
-    (the masked dense forward of test_text_retention.py); greedy tokens equal, log-probs
+    (the masked dense forward of text_oracle.py); greedy tokens equal, log-probs
     within 2e-3;
 (b) plain requests whose prompt is the session's ORIGINAL token prefix, or its compacted
     content, get what a request that reads no cache computes (tokens equal, log-probs within
@@ -36,70 +36,23 @@ from typing import Any
 import pytest
 
 from retention.vllm_adapter.introspect import kv_stats, retention_state
-from tests.retention.test_text_retention import (
+from tests.retention.text_oracle import (
     TOLERANCE,
     Session,
     chunk_tokens,
-    hf_model,  # noqa: F401  (module fixture)
     masked_logprobs,
     note_worst_delta,
-    tokenizer,  # noqa: F401  (module fixture)
+    probe_matches_cold,
 )
 
 pytestmark = pytest.mark.slow
 
-PROBE_TOLERANCE = 1e-4
 BLOCK = 32  # tests/conftest.py engines
 
 
 def filler(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1000, 20000) for _ in range(n)]
-
-
-async def plain(
-    engine: Any,
-    prompt: list[int],
-    *,
-    max_tokens: int = 4,
-    read_cache: bool = True,
-    multi_modal_data: dict[str, Any] | None = None,
-) -> tuple[list[int], list[dict[int, float]], int]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0,
-        logprobs=5,
-        ignore_eos=True,
-        skip_reading_prefix_cache=not read_cache,
-    )
-    request = TokensPrompt(prompt_token_ids=prompt)
-    if multi_modal_data is not None:
-        request["multi_modal_data"] = multi_modal_data
-    final: Any = None
-    async for out in engine.generate(request, params, request_id=f"plain-{uuid.uuid4().hex[:8]}"):
-        final = out
-    completion = final.outputs[0]
-    lps = [{t: lp.logprob for t, lp in entry.items()} for entry in completion.logprobs]
-    return list(completion.token_ids), lps, int(final.num_cached_tokens or 0)
-
-
-async def probe_matches_cold(
-    engine: Any, prompt: list[int], multi_modal_data: dict[str, Any] | None = None
-) -> int:
-    """(b): the probe equals a run that reads no cache; returns the tokens it found cached."""
-    tokens, lps, cached = await plain(engine, prompt, multi_modal_data=multi_modal_data)
-    cold_tokens, cold_lps, _ = await plain(
-        engine, prompt, read_cache=False, multi_modal_data=multi_modal_data
-    )
-    assert tokens == cold_tokens, (len(prompt), cached, tokens, cold_tokens)
-    for got, want in zip(lps, cold_lps, strict=True):
-        for tok, lp in got.items():
-            if tok in want:
-                assert abs(lp - want[tok]) < PROBE_TOLERANCE, (tok, lp, want[tok])
-    return cached
 
 
 async def preempt_session_chunk(
@@ -183,8 +136,8 @@ def original_stream(sent: list[list[int]], replies: list[list[int]]) -> list[int
 @pytest.mark.parametrize("sink", [True, False], ids=["sink", "no-sink"])
 async def test_preempted_session_resumes_as_consolidation(
     smollm2_engine: Any,
-    hf_model: Any,  # noqa: F811
-    tokenizer: Any,  # noqa: F811
+    hf_model: Any,
+    tokenizer: Any,
     sink: bool,
 ) -> None:
     engine = smollm2_engine

@@ -17,7 +17,7 @@ import pytest
 
 from realtime.engine_session import ChunkFinished, EngineSession
 from retention.vllm_adapter.introspect import retention_state
-from tests.retention.test_text_retention import chunk_tokens, tokenizer  # noqa: F401
+from tests.retention.text_oracle import chunk_tokens
 from vllm_realtime_protocol import SamplingConfig
 
 pytestmark = pytest.mark.slow
@@ -77,7 +77,7 @@ def session(engine: TokenLog, budget: dict[str, Any]) -> EngineSession:
 
 async def test_a_rebuilt_session_equals_the_original_consolidated(
     smollm2_engine: Any,
-    tokenizer: Any,  # noqa: F811
+    tokenizer: Any,
 ) -> None:
     log_a, log_b = TokenLog(smollm2_engine), TokenLog(smollm2_engine)
     a, b = session(log_a, REPREFILL), session(log_b, REPREFILL)

@@ -16,8 +16,6 @@ with the model's registered chat format), as the JPEG and MP4 bytes a client sen
 
 from __future__ import annotations
 
-import io
-import random
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,6 +34,7 @@ from realtime.models import registered_chat_format
 from realtime.session_store import MediaKind, held_media
 from retention.vllm_adapter.introspect import retention_state, worker_stats
 from tests.conftest import engine_settings
+from tests.realtime.conftest import camera_jpeg
 from vllm_realtime_protocol import Frame, SamplingConfig, SessionConfig
 
 pytestmark = pytest.mark.slow
@@ -56,18 +55,6 @@ async def smol_engine() -> AsyncIterator[object]:
     engine = start_engine(engine_settings(NAME))
     yield engine
     engine.shutdown()
-
-
-def camera_jpeg(i: int) -> bytes:
-    """A 640x480 webcam-like JPEG (the model reads it as 12 tokens), different per frame."""
-    from training.synth_frames import FrameSpec, draw_frame
-
-    colours = ["red", "green", "blue", "yellow"]
-    spec = FrameSpec(colours[i % 4], ["circle", "square"][i % 2], 1 + i % 3, "white")
-    img, _ = draw_frame(spec, random.Random(i), (640, 480))
-    out = io.BytesIO()
-    img.save(out, format="JPEG", quality=85)
-    return out.getvalue()
 
 
 def camera_clip() -> bytes:

@@ -21,13 +21,7 @@ from typing import Any
 import pytest
 
 from retention.vllm_adapter.introspect import kv_stats, retention_state
-from tests.retention.test_text_retention import (
-    TOLERANCE,
-    Session,
-    chunk_tokens,
-    note_worst_delta,
-    tokenizer,  # noqa: F401  (fixture)
-)
+from tests.retention.text_oracle import TOLERANCE, Session, chunk_tokens, note_worst_delta
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +40,7 @@ async def _all_blocks_free(engine: Any) -> bool:
 @pytest.mark.v2
 async def test_rotation_changes_no_logit_of_a_contiguous_window(
     smollm2_engine: Any,
-    tokenizer: Any,  # noqa: F811
+    tokenizer: Any,
 ) -> None:
     rotating = Session(smollm2_engine, {**WINDOW, "max_position": 200, "consolidation": "rotate"})
     twin = Session(smollm2_engine, {**WINDOW, "max_position": 8000, "consolidation": "rotate"})
@@ -85,7 +79,7 @@ async def test_rotation_changes_no_logit_of_a_contiguous_window(
 
 async def test_a_session_never_asks_for_idle_time_when_it_rotates(
     smollm2_engine: Any,
-    tokenizer: Any,  # noqa: F811
+    tokenizer: Any,
 ) -> None:
     session = Session(smollm2_engine, {**WINDOW, "sink_chunks": 1, "max_position": 200})
     try:

@@ -35,25 +35,21 @@ from retention.vllm_adapter.capabilities import (
 )
 from retention.vllm_adapter.session_scheduler import RealtimeSessionScheduler
 from retention.vllm_adapter.streaming import CONTINUATION, STREAM_ROLE_KEY
-from tests.retention.fake_engine import FakeModel, block_hasher, make_scheduler, step
+from tests.retention.fake_engine import (
+    BUDGET,
+    CHUNK,
+    FakeModel,
+    SchedulerOnly,
+    block_hasher,
+    chunk_tokens,
+    make_scheduler,
+    step,
+)
 
 pytestmark = pytest.mark.compat
 
 BS = 16
-# A chunk of 31 tokens plus the one reply token a fold keeps (max_tokens 2, the last sampled
-# token is dropped) is one 32-token segment: two whole blocks, so eviction frees whole chunks.
-CHUNK = 31
 MAX_TOKENS = 2
-
-
-class SchedulerOnly(RealtimeSessionScheduler):
-    """The scheduler half alone: no worker here to need the worker hooks."""
-
-    requires_worker_hooks = False
-
-
-def chunk_tokens(i: int) -> list[int]:
-    return [100 + 40 * i + k for k in range(CHUNK)]
 
 
 def params(budget: dict[str, Any] | None = None, **extra: Any) -> SamplingParams:
@@ -86,9 +82,6 @@ def run_until_parked(scheduler: Any, model: FakeModel, request_id: str) -> list[
 def blocks_held(scheduler: Any, request_id: str) -> int:
     (manager,) = scheduler.kv_cache_manager.coordinator.single_type_managers
     return sum(1 for b in manager.req_to_blocks.get(request_id, ()) if not b.is_null)
-
-
-BUDGET = {"sink_chunks": 1, "window_chunks": 2, "consolidation": "reprefill"}
 
 
 def bounded_session(scheduler: Any, model: FakeModel, chunks: int, rid: str = "s") -> Request:

@@ -41,7 +41,7 @@ import pytest
 from realtime.models import model_dir
 from retention.vllm_adapter.introspect import kv_stats, retention_state, worker_stats
 from tests.conftest import engine_settings
-from tests.retention.test_preemption import probe_matches_cold
+from tests.retention.text_oracle import probe_matches_cold
 from tests.retention.vlm_oracle import (
     TOLERANCE,
     VideoSession,

@@ -33,8 +33,14 @@ from retention.vllm_adapter.streaming import (
     StreamingOutputCollector,
     install_streaming_hardening,
 )
-from tests.retention.fake_engine import FakeEngineCore, make_async_llm, make_scheduler
-from tests.retention.test_scheduler_compat import BUDGET, SchedulerOnly, chunk_tokens
+from tests.retention.fake_engine import (
+    BUDGET,
+    FakeEngineCore,
+    SchedulerOnly,
+    chunk_tokens,
+    make_async_llm,
+    make_scheduler,
+)
 
 pytestmark = pytest.mark.compat
 

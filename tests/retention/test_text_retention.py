@@ -25,127 +25,18 @@ from typing import Any
 
 import pytest
 
-from realtime.models import model_dir
 from retention.records import SessionReport
 from retention.vllm_adapter.introspect import kv_stats, retention_state
+from tests.retention.text_oracle import (
+    TOLERANCE,
+    Session,
+    chunk_tokens,
+    hf_logprobs,
+    masked_logprobs,
+    note_worst_delta,
+)
 
 pytestmark = pytest.mark.slow
-
-TOLERANCE = 2e-3
-TOP_K = 5
-
-
-@pytest.fixture(scope="module")
-def hf_model() -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir("smollm2-135m-instruct")), dtype=torch.float32
-    )
-    model.eval()
-    return model
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir("smollm2-135m-instruct")))
-
-
-def note_worst_delta(test: str, worst: float) -> None:
-    """The worst |Δ log-prob| a test saw against its oracle, on this process's runner (shown
-    with `pytest -s`; docs/history/v2-runner.md compares V1 and V2)."""
-    from tests.model_runner_mode import RUNNER
-
-    print(f"\nWORST-DELTA {test} runner={RUNNER} {worst:.3e}")
-
-
-def hf_logprobs(model: Any, token_ids: list[int], positions: list[int]) -> Any:
-    import torch
-
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([token_ids]), position_ids=torch.tensor([positions]))
-    return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-
-
-class Session:
-    """A retention session driven chunk by chunk (one chunk in flight, as the server does)."""
-
-    def __init__(self, engine: Any, budget: dict[str, Any], max_tokens: int = 1) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        self.engine = engine
-        self.request_id = f"retention-{uuid.uuid4().hex[:12]}"
-        self.inputs: asyncio.Queue[Any] = asyncio.Queue()
-        self.params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=0.0,
-            logprobs=TOP_K,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"streaming_retention": budget},
-        )
-        self.outputs: Any = None
-        # EngineCore's report on the output that closed the last chunk.
-        self.report: SessionReport | None = None
-
-    async def _stream(self) -> AsyncIterator[Any]:
-        while True:
-            item = await self.inputs.get()
-            if item is None:
-                return
-            yield item
-
-    async def send(self, token_ids: list[int]) -> tuple[list[int], list[dict[int, float]]]:
-        from vllm.engine.protocol import StreamingInput
-        from vllm.inputs import TokensPrompt
-
-        self.inputs.put_nowait(StreamingInput(prompt=TokensPrompt(prompt_token_ids=token_ids)))
-        if self.outputs is None:
-            self.outputs = self.engine.generate(
-                self._stream(), self.params, request_id=self.request_id
-            )
-        tokens: list[int] = []
-        logprobs: list[dict[int, float]] = []
-        while True:
-            out = await self.outputs.__anext__()
-            assert not out.finished, "a retention session must not end on its own"
-            completion = out.outputs[0]
-            tokens.extend(completion.token_ids)
-            for entry in completion.logprobs or []:
-                logprobs.append({tok: lp.logprob for tok, lp in entry.items()})
-            if completion.finish_reason is not None:
-                self.report = SessionReport.from_wire(out.kv_transfer_params)
-                return tokens, logprobs
-
-    async def close(self) -> None:
-        if self.outputs is not None:
-            await self.outputs.aclose()
-        await self.engine.abort(self.request_id)
-
-
-def chunk_tokens(tokenizer: Any, i: int) -> list[int]:
-    text = f"Note {i}: the river carried {i % 7} boats past the old mill at dawn."
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def masked_logprobs(model: Any, tokens: list[int], visible: list[list[int]]) -> Any:
-    """Dense forward over all tokens at positions 0..n-1; token j attends to `visible[j]`."""
-    import torch
-
-    n = len(tokens)
-    mask = torch.full((1, 1, n, n), float("-inf"))
-    for j, seen in enumerate(visible):
-        mask[0, 0, j, seen] = 0.0
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor([tokens]),
-            position_ids=torch.arange(n)[None],
-            attention_mask=mask,
-        )
-    return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
 
 @pytest.mark.v2

@@ -12,15 +12,13 @@ run on it with `make test-v2`; this module checks what ties the two runners toge
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 
-from tests.model_runner_mode import ROOT, RUNNER, RUNNER_ENV, v2_fixture_problem
+from tests.model_runner_mode import RUNNER, RUNNER_ENV, v2_fixture_problem
+from tests.retention.conftest import run_probe
 
 pytestmark = pytest.mark.slow
 
@@ -31,20 +29,8 @@ SERVED_FRAMES = 200
 
 
 def _probe(runner: str, module: str = "v2_session_probe", arg: int = CHUNKS) -> dict[str, Any]:
-    env = dict(os.environ)
-    env[RUNNER_ENV] = runner
-    env.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", f"tests.retention.{module}", str(arg)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return dict(json.loads(lines[-1][len("PROBE ") :]))
+    env = {RUNNER_ENV: runner, "VLLM_USE_V2_MODEL_RUNNER": None}
+    return run_probe(module, str(arg), env=env, timeout=900)
 
 
 @pytest.mark.skipif(RUNNER == "v2", reason="starts one process per runner itself")
@@ -89,7 +75,7 @@ async def test_the_v2_worker_builds_our_runner_and_reads_each_fold(smollm2_engin
 
     from realtime.models import model_dir
     from retention.vllm_adapter.introspect import retention_state
-    from tests.retention.test_text_retention import Session, chunk_tokens
+    from tests.retention.text_oracle import Session, chunk_tokens
 
     engine: Any = smollm2_engine
     assert await engine.collective_rpc("vllm_realtime_model_runner") == ["RealtimeCPUModelRunner"]

@@ -27,10 +27,6 @@ from typing import Any
 
 import pytest
 
-from tests.retention.test_video_retention import (
-    hf_vlm,  # noqa: F401  (module fixture)
-    processor,  # noqa: F401  (module fixture)
-)
 from tests.retention.vlm_oracle import preempt_and_check
 
 pytestmark = pytest.mark.slow
@@ -39,8 +35,8 @@ pytestmark = pytest.mark.slow
 @pytest.mark.v2
 async def test_preempted_video_session_resumes_as_a_fresh_prefill(
     vlm_engine: Any,
-    hf_vlm: Any,  # noqa: F811
-    processor: Any,  # noqa: F811
+    hf_vlm: Any,
+    processor: Any,
 ) -> None:
     report = await preempt_and_check(vlm_engine, hf_vlm, processor)
     print(

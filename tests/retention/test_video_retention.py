@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from realtime.models import model_dir
 from retention.vllm_adapter.introspect import kv_stats, retention_state, worker_stats
 from tests.retention.vlm_oracle import (
     SYSTEM,
@@ -30,25 +29,6 @@ from tests.retention.vlm_oracle import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def hf_vlm() -> Any:
-    import torch
-    from transformers import Qwen2VLForConditionalGeneration
-
-    model = Qwen2VLForConditionalGeneration.from_pretrained(
-        str(model_dir("tiny-qwen2-vl")), dtype=torch.float32, attn_implementation="eager"
-    )
-    model.eval()
-    return model
-
-
-@pytest.fixture(scope="module")
-def processor() -> Any:
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(str(model_dir("tiny-qwen2-vl")))
 
 
 @pytest.mark.v2

@@ -29,8 +29,7 @@ async def run(frames: int) -> dict[str, Any]:
     from realtime.engine import start_engine
     from retention.vllm_adapter.introspect import kv_stats
     from tests.conftest import engine_settings
-    from tests.realtime.conftest import SUBPROTOCOLS, _serve, open_session, recv_until
-    from tests.realtime.test_server_e2e import image_event
+    from tests.realtime.conftest import SUBPROTOCOLS, _serve, image_event, open_session, recv_until
 
     engine: Any = start_engine(
         engine_settings(

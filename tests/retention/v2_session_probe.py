@@ -34,7 +34,7 @@ async def run(chunks: int) -> dict[str, Any]:
     from realtime.models import model_dir
     from retention.vllm_adapter.introspect import retention_state
     from tests.conftest import engine_settings
-    from tests.retention.test_text_retention import Session, chunk_tokens
+    from tests.retention.text_oracle import Session, chunk_tokens
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir("smollm2-135m-instruct")))
     engine: Any = start_engine(engine_settings("smollm2-135m-instruct", max_num_seqs=2))

@@ -528,7 +528,7 @@ async def preempt_and_check(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tests.retention.test_preemption import probe_matches_cold
+    from tests.retention.text_oracle import probe_matches_cold
 
     stats = await kv_stats(engine)
     assert stats["prefix_caching"], "these tests need prefix caching on"

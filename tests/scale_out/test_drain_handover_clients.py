@@ -36,13 +36,13 @@ from typing import Any
 import pytest
 
 from bench.scale_out_check import nginx_binary, start_nginx
-from tests.scale_out.conftest import free_port
-from tests.scale_out.test_resume_any_replica import (
+from tests.scale_out.conftest import (
     FACT,
     OPEN,
     QUESTION,
     ROOT,
     Replica,
+    free_port,
     sessions_on,
     start_replica,
     wait_healthy,

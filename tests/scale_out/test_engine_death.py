@@ -34,19 +34,22 @@ import psutil
 import pytest
 from vllm_realtime_client import connect as sdk_connect
 
-from tests.scale_out.conftest import free_port, start_redis
-from tests.scale_out.test_resume_any_replica import (
+from tests.scale_out.conftest import (
+    OPEN_VIDEO,
+    VIDEO_ARGS,
+    Proxy,
     Replica,
     close,
-    connect,
     events_until_closed,
-    recv_type,
+    free_port,
+    open_session,
     replica_pair,
     resume,
+    say,
     sessions_on,
+    show,
+    start_redis,
 )
-from tests.scale_out.test_resume_video import OPEN as OPEN_VIDEO
-from tests.scale_out.test_resume_video import VIDEO_ARGS, show
 
 pytestmark = pytest.mark.slow
 
@@ -120,26 +123,11 @@ def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
 
 
 async def open_text(replica: Replica, **extra: Any) -> tuple[Any, str, str]:
-    ws = await connect(replica)
-    await ws.send(json.dumps({**OPEN_TEXT, **extra}))
-    opened = await recv_type(ws, "session.opened", "error")
-    assert opened["type"] == "session.opened", opened
-    return ws, opened["session_id"], opened["resume_token"]
+    return await open_session(replica, OPEN_TEXT, **extra)
 
 
 async def open_video(replica: Replica) -> tuple[Any, str, str]:
-    ws = await connect(replica)
-    await ws.send(json.dumps({**OPEN_VIDEO, "resumable": {"grace_s": 60}}))
-    opened = await recv_type(ws, "session.opened", "error")
-    assert opened["type"] == "session.opened", opened
-    return ws, opened["session_id"], opened["resume_token"]
-
-
-async def say(ws: Any, text: str) -> dict[str, Any]:
-    await ws.send(json.dumps({"type": "frame.append", "text": text}))
-    done = await recv_type(ws, "response.done", "error")
-    assert done["type"] == "response.done" and done["status"] == "completed", done
-    return done
+    return await open_session(replica, OPEN_VIDEO, resumable={"grace_s": 60})
 
 
 async def frames_total(client: Any, sid: str) -> int | None:
@@ -245,34 +233,6 @@ async def test_a_slow_reader_holds_no_memory(pair: list[Replica]) -> None:
     assert sessions_on(b) == 0
 
 
-class Forwarder:
-    """A TCP forwarder standing in for the router: new connections go to `target`."""
-
-    def __init__(self, target: int) -> None:
-        self.target, self.port = target, 0
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        self.server = await asyncio.start_server(self._pipe, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        except OSError:
-            writer.close()
-            return
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(Exception):
-                while data := await src.read(1 << 16):
-                    dst.write(data)
-                    await dst.drain()
-            dst.close()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-
-
 def engine_processes(replica: Replica) -> list[psutil.Process]:
     return psutil.Process(replica.proc.pid).children(recursive=True)
 
@@ -286,8 +246,8 @@ def engine_core(processes: list[psutil.Process]) -> psutil.Process:
 
 
 @pytest.fixture
-async def forwarder(pair: list[Replica]) -> AsyncIterator[Forwarder]:
-    fwd = Forwarder(pair[0].port)
+async def forwarder(pair: list[Replica]) -> AsyncIterator[Proxy]:
+    fwd = Proxy(pair[0].port)
     await fwd.start()
     yield fwd
     assert fwd.server is not None
@@ -295,7 +255,7 @@ async def forwarder(pair: list[Replica]) -> AsyncIterator[Forwarder]:
 
 
 async def test_the_engine_dies_and_its_sessions_go_on_elsewhere(
-    pair: list[Replica], forwarder: Forwarder, redis_client: Any
+    pair: list[Replica], forwarder: Proxy, redis_client: Any
 ) -> None:
     a, b = pair
     # The same sessions on one replica, start to end: the reference replies.
@@ -323,7 +283,7 @@ async def test_the_engine_dies_and_its_sessions_go_on_elsewhere(
         core = engine_core(processes)
         core.kill()
         killed = time.perf_counter()
-        forwarder.target = b.port  # the router stops sending connections to A
+        forwarder.target_port = b.port  # the router stops sending connections to A
         # Sent at once: accepted by A's server, its reply lost with the engine.
         stream = session.stream_text(QUESTION)
         done = await stream.result()

@@ -25,12 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,111 +34,29 @@ from typing import Any
 import pytest
 import websockets
 
-from tests.scale_out.conftest import free_port
+from tests.scale_out.conftest import (
+    FACT,
+    OPEN,
+    QUESTION,
+    REPLICA_ARGS,
+    Replica,
+    close,
+    connect,
+    events_until_closed,
+    not_found,
+    open_session,
+    recv_type,
+    replica_pair,
+    resume,
+    say,
+    sessions_on,
+    start_replica,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-REPLICA_ARGS = [
-    "--model",
-    "smollm2-135m-instruct",
-    "--kv-cache-memory-bytes",
-    str(96 << 20),
-    "--max-model-len",
-    "1024",
-    "--block-size",
-    "32",
-    "--dtype",
-    "float32",
-    "--max-num-seqs",
-    "8",
-    "--api-key",
-    "key-a",
-    "--api-key",
-    "key-b",
-    "--max-resume-grace",
-    "60",
-]
-OPEN = {
-    "type": "session.open",
-    "modality": "text",
-    "instructions": "You are a helpful assistant. Answer in one short sentence.",
-    "retention": {"sink_chunks": 1, "window_chunks": 6},
-    "limits": {"max_chunk_tokens": 48},
-    "sampling": {"max_tokens": 24, "temperature": 0.0},
-    "resumable": {"grace_s": 30},
-}
-FACT = "Remember this: my dog's name is Biscuit."
 FILLER = ["The weather is sunny today.", "I had pasta for lunch."]
-QUESTION = "What is my dog's name?"
-
-
-class Replica:
-    def __init__(self, port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
-        self.port, self.proc, self.log = port, proc, log
-        self.url = f"ws://127.0.0.1:{port}/v1/realtime"
-
-    def kill(self) -> None:
-        """SIGKILL the whole replica: server, EngineCore and worker (its process group)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=60)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever of its group is left
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-
-
-def start_replica(
-    redis_url: str, logdir: Path, name: str, args: list[str] | None = None, port: int = 0
-) -> Replica:
-    """A replica on `port` (0: a free one; a router's config names a fixed one)."""
-    port = port or free_port()
-    log = logdir / f"{name}.log"
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "realtime.cli", "serve", "--port", str(port)]
-    proc = subprocess.Popen(
-        [*cmd, "--session-store", redis_url, *(REPLICA_ARGS if args is None else args)],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,  # its own process group: a kill takes the engine with it
-    )
-    return Replica(port, proc, log)
-
-
-def wait_healthy(replica: Replica, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if replica.proc.poll() is not None:
-            raise RuntimeError(f"replica exited: {replica.log.read_text()[-3000:]}")
-        health = f"http://127.0.0.1:{replica.port}/health"
-        with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=2):
-            return
-        time.sleep(1)
-    raise TimeoutError(replica.log.read_text()[-3000:])
-
-
-@contextlib.contextmanager
-def replica_pair(
-    redis_url: str, logdir: Path, names: tuple[str, str], args: list[str] | None = None
-) -> Iterator[list[Replica]]:
-    """Two healthy replicas sharing the store; stopped (with their engines) on the way out."""
-    reps = [start_replica(redis_url, logdir, name, args) for name in names]
-    try:
-        for r in reps:
-            wait_healthy(r)
-        yield reps
-    finally:
-        for r in reps:
-            r.stop()
 
 
 @pytest.fixture(scope="module")
@@ -151,70 +65,6 @@ def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
         redis_url, tmp_path_factory.mktemp("replicas"), ("replica-a", "replica-b")
     ) as reps:
         yield reps
-
-
-async def connect(replica: Replica, key: str = "key-a") -> Any:
-    ws = await websockets.connect(
-        replica.url,
-        subprotocols=["vllm-realtime"],  # type: ignore[list-item]
-        additional_headers={"Authorization": f"Bearer {key}"},
-        max_size=None,
-    )
-    created = json.loads(await ws.recv())
-    assert created["type"] == "session.created"
-    return ws
-
-
-async def recv_type(ws: Any, *types: str, timeout: float = 180) -> dict[str, Any]:
-    while True:
-        event = json.loads(await asyncio.wait_for(ws.recv(), timeout))
-        if event["type"] in types:
-            return event
-
-
-async def open_session(
-    replica: Replica, opening: dict[str, Any] = OPEN, **extra: Any
-) -> tuple[Any, str, str]:
-    ws = await connect(replica)
-    await ws.send(json.dumps({**opening, **extra}))
-    opened = await recv_type(ws, "session.opened", "error")
-    assert opened["type"] == "session.opened", opened
-    return ws, opened["session_id"], opened["resume_token"]
-
-
-async def say(ws: Any, text: str) -> dict[str, Any]:
-    """One answered text turn; its response.done."""
-    await ws.send(json.dumps({"type": "frame.append", "text": text}))
-    done = await recv_type(ws, "response.done", "error")
-    assert done["type"] == "response.done" and done["status"] == "completed", done
-    return done
-
-
-async def resume(replica: Replica, session_id: str, token: str, key: str = "key-a") -> Any:
-    ws = await connect(replica, key)
-    await ws.send(
-        json.dumps({"type": "session.resume", "session_id": session_id, "resume_token": token})
-    )
-    return ws, await recv_type(ws, "session.resumed", "error")
-
-
-async def events_until_closed(ws: Any, timeout: float = 60) -> list[dict[str, Any]]:
-    seen: list[dict[str, Any]] = []
-    with contextlib.suppress(websockets.ConnectionClosed):
-        while True:
-            seen.append(json.loads(await asyncio.wait_for(ws.recv(), timeout)))
-    return seen
-
-
-async def close(ws: Any) -> None:
-    """Close the session (a dropped socket would park it, and keep it in the store)."""
-    await ws.send(json.dumps({"type": "session.close"}))
-    await recv_type(ws, "session.closed")
-    await ws.close()
-
-
-def not_found(event: dict[str, Any]) -> bool:
-    return event["type"] == "error" and event["error"]["code"] == "session_not_found"
 
 
 async def test_refusals_and_a_resume_racing_a_half_open_connection(
@@ -266,11 +116,6 @@ async def test_an_expired_session_is_gone_everywhere(
         again, event = await resume(replica, sid, token)
         assert not_found(event), event
         await again.close()
-
-
-def sessions_on(replica: Replica) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{replica.port}/health", timeout=5) as resp:
-        return int(json.loads(resp.read())["sessions"])
 
 
 async def test_a_parked_owner_lets_go(pair: list[Replica], redis_client: Any) -> None:

@@ -31,49 +31,25 @@ from typing import Any
 import pytest
 import websockets
 
-from tests.retention.test_restore_video import camera_jpeg
-from tests.scale_out.test_resume_any_replica import (
+from tests.realtime.conftest import camera_jpeg
+from tests.scale_out.conftest import (
+    OPEN_VIDEO,
+    VIDEO_ARGS,
     Replica,
     close,
     events_until_closed,
     not_found,
     open_session,
-    recv_type,
     replica_pair,
     resume,
     sessions_on,
+    show,
     start_replica,
     wait_healthy,
 )
 
 pytestmark = pytest.mark.slow
 
-VIDEO_ARGS = [
-    "--model",
-    "smol-qwen2-vl",
-    "--kv-cache-memory-bytes",
-    str(128 << 20),
-    "--max-model-len",
-    "1024",
-    "--block-size",
-    "32",
-    "--dtype",
-    "float32",
-    "--max-num-seqs",
-    "8",
-    "--api-key",
-    "key-a",
-    "--max-resume-grace",
-    "60",
-]
-# A camera session with the default retention (sink 1 chunk, window 8 chunks).
-OPEN = {
-    "type": "session.open",
-    "modality": "video",
-    "instructions": "Name the colours you see.",
-    "sampling": {"max_tokens": 16, "temperature": 0.0},
-    "resumable": {"grace_s": 30},
-}
 NARROW = {"sink_chunks": 1, "window_chunks": 2}
 
 
@@ -85,16 +61,7 @@ def pair(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
 
 
 async def open_video(replica: Replica, **extra: Any) -> tuple[Any, str, str]:
-    return await open_session(replica, OPEN, **extra)
-
-
-async def show(ws: Any, i: int, prompt: str = "What colour?") -> dict[str, Any]:
-    """One answered camera frame; its response.done."""
-    image = base64.b64encode(camera_jpeg(i)).decode()
-    await ws.send(json.dumps({"type": "frame.append", "image": image, "prompt": prompt}))
-    done = await recv_type(ws, "response.done", "error")
-    assert done["type"] == "response.done" and done["status"] == "completed", done
-    return done
+    return await open_session(replica, OPEN_VIDEO, **extra)
 
 
 async def record_of(client: Any, sid: str) -> dict[str, str]:

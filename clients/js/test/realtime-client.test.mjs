@@ -476,6 +476,22 @@ async function nextSocket(previous) {
   return ws;
 }
 
+/** The server's session.resumed for "sess_r" on `ws`: nothing missed, the token rotated. */
+function emitResumed(ws, fields = {}) {
+  ws.emit({
+    type: "session.resumed",
+    event_id: "e",
+    session_id: "sess_r",
+    config: {},
+    limits: LIMITS,
+    next_frame_index: 0,
+    in_flight_frame_index: null,
+    missed_response: null,
+    resume_token: "tok-2",
+    ...fields,
+  });
+}
+
 test("resilient: a drop mid-reply is resumed and the missed response.done resolves the call", async () => {
   const { client, ws } = await resilient();
   assert.equal(client.resilient, true);
@@ -489,16 +505,10 @@ test("resilient: a drop mid-reply is resumed and the missed response.done resolv
   assert.deepEqual(ws2.lastJson(), { type: "session.resume", event_id: ws2.lastJson().event_id, session_id: "sess_r", resume_token: "tok-1" });
   const resumedEvents = [];
   client.on("resumed", (e) => resumedEvents.push(e));
-  ws2.emit({
-    type: "session.resumed",
-    event_id: "e",
-    session_id: "sess_r",
+  emitResumed(ws2, {
     config: { resumable: { grace_s: 30 } },
-    limits: LIMITS,
     next_frame_index: 1,
-    in_flight_frame_index: null,
     missed_response: DONE(0, "missed"),
-    resume_token: "tok-2",
   });
   const done = await pending;
   assert.equal(done.text, "missed");
@@ -523,17 +533,7 @@ test("resilient: a chunk the server never accepted is sent again after the resum
   await tick();
   ws.serverClose(1006); // before its input.ack
   const ws2 = await nextSocket(ws);
-  ws2.emit({
-    type: "session.resumed",
-    event_id: "e",
-    session_id: "sess_r",
-    config: {},
-    limits: LIMITS,
-    next_frame_index: 0,
-    in_flight_frame_index: null,
-    missed_response: null,
-    resume_token: "tok-2",
-  });
+  emitResumed(ws2);
   await tick();
   const resent = ws2.lastJson();
   assert.equal(resent.type, "frame.append");
@@ -584,19 +584,7 @@ test("resilient: server.draining with handover resumes the session (not a new on
   const reopened = [];
   client.on("resumed", (e) => resumed.push(e.session_id));
   client.on("reopened", (e) => reopened.push(e.session_id));
-  ws2.emit({
-    type: "session.resumed",
-    event_id: "e",
-    session_id: "sess_r",
-    config: {},
-    limits: LIMITS,
-    next_frame_index: 0,
-    in_flight_frame_index: null,
-    missed_response: null,
-    resume_token: "tok-2",
-    rebuilt: true,
-    reprefilled_tokens: 40,
-  });
+  emitResumed(ws2, { rebuilt: true, reprefilled_tokens: 40 });
   await tick();
   assert.deepEqual(resumed, ["sess_r"]);
   assert.deepEqual(reopened, []);
@@ -619,19 +607,7 @@ test("resilient: a dead engine's hand-over: the accepted chunk is sent again onc
   client.on("resent", (e) => resent.push(e.frame_index));
   const warn = console.warn;
   console.warn = () => {};
-  const resumedAt = (socket) => socket.emit({
-    type: "session.resumed",
-    event_id: "e",
-    session_id: "sess_r",
-    config: {},
-    limits: LIMITS,
-    next_frame_index: 0,
-    in_flight_frame_index: null,
-    missed_response: null,
-    resume_token: "tok-2",
-    rebuilt: true,
-    reprefilled_tokens: 40,
-  });
+  const resumedAt = (socket) => emitResumed(socket, { rebuilt: true, reprefilled_tokens: 40 });
   try {
     const ws2 = await nextSocket(ws);
     assert.equal(ws2.lastJson().type, "session.resume");
