@@ -89,25 +89,13 @@ Requests without the key take none of these paths (one dict lookup per fold).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from retention.policy import (
-    CHUNK_HEAD_KEY,
-    CHUNK_KIND_KEY,
-    CONSOLIDATE,
     CONSOLIDATION_MODES,
-    CONTROL_KEY,
-    REQUEST_ARGS_KEY,
-    RESTORE_KEY,
-    SEGMENT_KINDS,
-    TEXT_KINDS,
     ConsolidationMode,
-    HistorySegment,
     RetentionBudget,
-    SegmentKind,
     SessionHistory,
-    append_segment,
     apply_eviction,
     consolidate,
     eviction_rounds,
@@ -117,15 +105,29 @@ from retention.policy import (
     rotation_runs,
 )
 from retention.records import SessionSnapshot
-from retention.vllm_adapter.capabilities import skip_prefix_cache_reads
-from retention.vllm_adapter.errors import VLLMAdapterError
 from retention.vllm_adapter.fold_control import FoldControl, set_fold_control, with_offset_reset
-from retention.vllm_adapter.kv_range import evict_token_range_for_request, is_hashed_block
 from retention.vllm_adapter.mrope import PositionFunction, chunk_excess, local_features
+from retention.vllm_adapter.request_rewrite import RequestRewriter
+from retention.vllm_adapter.session_report import describe, summary
+from retention.vllm_adapter.session_snapshot import record_or_restore, restore_of, snapshot_of
+from retention.vllm_adapter.session_state import (
+    RetentionConfigError,
+    SessionRetentionState,
+    budget_of,
+    chunk_head,
+    chunk_kind,
+    is_consolidation_control,
+    rebase_excess,
+)
 
-
-class RetentionConfigError(VLLMAdapterError, ValueError):
-    """A retention budget that this engine cannot serve."""
+__all__ = [
+    "DEFAULT_CONSOLIDATION",
+    "DEFAULT_REPREFILL_PIECE",
+    "RetentionConfigError",
+    "SessionRetention",
+    "SessionRetentionState",
+    "consolidation_mode",
+]
 
 
 DEFAULT_REPREFILL_PIECE: Final = 128
@@ -148,122 +150,6 @@ def consolidation_mode(raw: object) -> ConsolidationMode:
     raise RetentionConfigError(
         f"the engine's consolidation setting must be one of {', '.join(CONSOLIDATION_MODES)}, "
         f"got {raw!r}"
-    )
-
-
-@dataclass
-class SessionRetentionState:
-    budget: RetentionBudget
-    history: SessionHistory
-    max_position: int
-    evict_calls: int = 0
-    blocks_freed_total: int = 0
-    fold: int = 0
-    encoder_entries_released: int = 0
-    encoder_inputs_scheduled: int = 0
-    preemptions: int = 0
-    # With a text window: the kind and prompt length of the chunk folded in last, and how many
-    # chunks came (the first `sink_chunks` are pinned, their replies with them).
-    pending_kind: SegmentKind = "chunk"
-    pending_prompt: int = 0
-    pending_head: int = 0
-    chunks: int = 0
-    # The largest chunk + reply folded in so far (what the next one is expected to need), and
-    # whether the last fold was a control chunk (its report answers no chunk).
-    largest_incoming: int = 0
-    control_fold: bool = False
-    # A re-prefill (consolidation or preemption resume) runs until this many tokens are
-    # computed, in steps of repeating sizes (`step_cap`).
-    reprefill_end: int = 0
-    idle_consolidations: int = 0
-    # How this session consolidates (its budget's mode, or the engine's; rotate only where the
-    # worker can), and how often a rotation fell back to a re-prefill (a block shared).
-    consolidation: ConsolidationMode = "reprefill"
-    rotations: int = 0
-    rotation_fallbacks: int = 0
-    # A rebuilt session (issue #39): the history its first chunk (the snapshot's tokens) is
-    # recorded as at the first fold, instead of one chunk.
-    restore: SessionSnapshot | None = None
-    # mRoPE: positions beyond the token cursor (see "Positions (mRoPE)" above): per recorded
-    # chunk segment (by index), their sum over the chunks computed since the last re-prefill
-    # plus the re-prefill's survivors, and the excess of the chunk folded in last (recorded at
-    # the next fold with its segment).
-    excess_by_segment: dict[int, int] = field(default_factory=dict)
-    position_excess: int = 0
-    pending_excess: int = 0
-
-
-def budget_of(sampling_params: Any) -> RetentionBudget | None:
-    extra = getattr(sampling_params, "extra_args", None)
-    if not extra or REQUEST_ARGS_KEY not in extra:
-        return None
-    raw = extra[REQUEST_ARGS_KEY]
-    if not isinstance(raw, dict):
-        raise RetentionConfigError(f"{REQUEST_ARGS_KEY} must be a mapping")
-    return RetentionBudget.from_request_args(raw)
-
-
-def chunk_kind(sampling_params: Any) -> SegmentKind:
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    return "text" if extra.get(CHUNK_KIND_KEY) == "text" else "frame"
-
-
-def is_consolidation_control(sampling_params: Any) -> bool:
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    return bool(extra.get(CONTROL_KEY) == CONSOLIDATE)
-
-
-def chunk_head(sampling_params: Any) -> int:
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    head = extra.get(CHUNK_HEAD_KEY, 0)
-    return head if isinstance(head, int) and not isinstance(head, bool) and head > 0 else 0
-
-
-def restore_of(sampling_params: Any) -> SessionSnapshot | None:
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    raw = extra.get(RESTORE_KEY)
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise RetentionConfigError(f"{RESTORE_KEY} must be a mapping")
-    # The tokens are the chunk's prompt; the record carries only the history around them.
-    return SessionSnapshot.from_dict({**raw, "token_ids": []}, check=False)
-
-
-def restored_history(
-    snapshot: SessionSnapshot, budget: RetentionBudget, num_tokens: int
-) -> SessionHistory | None:
-    """The history of a session rebuilt from `snapshot` whose first chunk (its `num_tokens`
-    held tokens, prefilled at 0..n-1) just folded: the snapshot's segments, consolidated (as
-    a re-prefill leaves them). None if the segments do not tile those tokens."""
-    if sum(seg[2] for seg in snapshot.segments) != num_tokens or not snapshot.segments:
-        return None
-    segments: list[HistorySegment] = []
-    start = 0
-    for index, kind, n, pinned, remnant in snapshot.segments:
-        if kind not in SEGMENT_KINDS:
-            return None
-        segments.append(
-            HistorySegment(
-                index=index,
-                kind=kind,  # type: ignore[arg-type]  # checked against SEGMENT_KINDS just above
-                start=start,
-                end=start + n,
-                position_start=start,
-                pinned=pinned,
-                remnant=remnant,
-            )
-        )
-        start += n
-    return SessionHistory(
-        segments=tuple(segments),
-        next_index=snapshot.next_index,
-        position_cursor=num_tokens,
-        sink_chunks=budget.sink_chunks,
-        tokens_evicted_total=snapshot.tokens_evicted_total,
-        chunks_evicted_total=snapshot.chunks_evicted_total,
-        evictions_total=snapshot.evictions_total,
-        consolidations_total=snapshot.consolidations_total + 1,
     )
 
 
@@ -302,25 +188,15 @@ def _merge_freed(
     return merged
 
 
-def _note_excess(state: SessionRetentionState, index: int) -> None:
-    """The chunk folded in last is recorded now as segment `index`: its excess with it."""
-    if state.pending_excess:
-        state.excess_by_segment[index] = state.pending_excess
-        state.position_excess += state.pending_excess
-    state.pending_excess = 0
-
-
-def _rebase_excess(state: SessionRetentionState, history: SessionHistory) -> None:
-    """After a re-prefill (consolidation or preemption resume): positions restart from 0 over
-    the held tokens, so the excess is that of the chunks still held (a remnant counted whole:
-    an upper bound)."""
-    held = {seg.index for seg in history.segments}
-    state.excess_by_segment = {i: e for i, e in state.excess_by_segment.items() if i in held}
-    state.position_excess = sum(state.excess_by_segment.values())
-
-
 class SessionRetention:
-    """Per-scheduler registry of retention sessions. Lives in the EngineCore process."""
+    """Per-scheduler registry of retention sessions, and their fold pipeline. Lives in the
+    EngineCore process.
+
+    Its jobs are split by module: the per-session state and segment recording
+    (session_state.py), rewriting vLLM's request internals (request_rewrite.py), snapshot and
+    restore (session_snapshot.py) and reporting (session_report.py). This class decides, at
+    each fold, preemption and step, what happens to each session.
+    """
 
     def __init__(
         self,
@@ -350,6 +226,7 @@ class SessionRetention:
         self.rotation_supported = rotation_supported and not uses_mrope
         self.default_consolidation = default_consolidation
         self.sessions: dict[str, SessionRetentionState] = {}
+        self.rewrite = RequestRewriter(kv_cache_manager, block_size, encoder_cache_manager)
         # mRoPE: the model's own position function, to measure each chunk's excess.
         self.position_function = position_function
 
@@ -439,7 +316,7 @@ class SessionRetention:
         history = state.history
         new_tokens = computed - history.num_tokens
         if new_tokens > 0:
-            history = self._record_or_restore(state, history, new_tokens)
+            history = record_or_restore(state, history, new_tokens)
             state.restore = None
         control = is_consolidation_control(request.sampling_params)
         state.control_fold = control
@@ -461,13 +338,7 @@ class SessionRetention:
             plan = plan_round(history, state.budget, self.block_size, 0)
             round_freed: list[tuple[int, int]] = []
             for start, end in reversed(plan.ranges):
-                a, b, n = evict_token_range_for_request(
-                    self.kv_cache_manager,
-                    request.request_id,
-                    start,
-                    end,
-                    num_committed_tokens=int(request.num_computed_tokens),
-                )
+                a, b, n = self.rewrite.free_range(request, start, end)
                 state.evict_calls += 1
                 if n == 0:
                     continue
@@ -489,7 +360,7 @@ class SessionRetention:
             # A control chunk carries nothing: drop its prompt tokens (never computed) and
             # consolidate now, while the session is idle. The one token it samples is dropped
             # by the next fold, like an ingested chunk's.
-            self._drop_tail(request, int(request.num_computed_tokens))
+            self.rewrite.drop_tail(request, int(request.num_computed_tokens))
             state.idle_consolidations += 1
             return 0, 0
         incoming = (
@@ -513,7 +384,7 @@ class SessionRetention:
         if not forced and not needs_consolidation(history, state.budget, reach, state.max_position):
             return history, False, ()
         runs = rotation_runs(history) if state.consolidation == "rotate" else ()
-        if state.consolidation == "rotate" and self._may_rotate(request, runs):
+        if state.consolidation == "rotate" and self.rewrite.may_rotate(request, runs):
             # The worker rotates the survivors' keys to 0..n-1 before the next step.
             state.rotations += 1
             return consolidate(history), False, runs
@@ -522,97 +393,15 @@ class SessionRetention:
         if self.uses_mrope:
             history = self._drop_remnants(request, state, history)
         history = consolidate(history)
-        self._reprefill(request)
+        self.rewrite.reprefill(request)
         state.reprefill_end = int(request.num_tokens)
-        _rebase_excess(state, history)
+        rebase_excess(state, history)
         return history, True, ()
-
-    def _may_rotate(self, request: Any, runs: tuple[tuple[int, int, int], ...]) -> bool:
-        """Rotating keys rewrites blocks in place: only blocks this request alone holds and no
-        prefix-cache entry points to (every block after an evicted range left the index when
-        it was evicted; one reached by another request's prefix hit is still shared)."""
-        if not runs:
-            return True
-        bs = self.block_size
-        (manager,) = self.kv_cache_manager.coordinator.single_type_managers
-        blocks = manager.req_to_blocks[request.request_id]
-        for a, b, _ in runs:
-            for block in blocks[a // bs : (b - 1) // bs + 1]:
-                if block.ref_cnt != 1 or is_hashed_block(manager, block):
-                    return False
-        return True
-
-    def _record_or_restore(
-        self, state: SessionRetentionState, history: SessionHistory, new_tokens: int
-    ) -> SessionHistory:
-        """`_record`, or for a rebuilt session's first chunk the history it was rebuilt from."""
-        if state.restore is not None and history.num_tokens == 0:
-            restored = restored_history(state.restore, state.budget, new_tokens)
-            if restored is not None:
-                state.chunks = state.restore.chunks
-                return restored
-        return self._record(state, history, new_tokens)
 
     def snapshot(self, request: Any) -> SessionSnapshot:
         """What rebuilds this session (at a chunk boundary: the request is paused, and the
         chunk just answered is not recorded yet; it is recorded here as the next fold will)."""
-        state = self.sessions[request.request_id]
-        held = int(request.num_computed_tokens)
-        history = state.history
-        if held > history.num_tokens:
-            probe = replace(state)  # `_record` counts chunks on the state it is given
-            history = self._record_or_restore(probe, history, held - history.num_tokens)
-            chunks = probe.chunks
-        else:
-            held, chunks = history.num_tokens, state.chunks
-        tokens = list(request._all_token_ids[:held])
-        # The next fold's eviction, applied here on paper (it plans over the recorded history
-        # alone): the snapshot is what a consolidation at the next fold would keep, so a rebuild
-        # equals this session consolidated, and its own first fold evicts nothing more.
-        for plan_round in eviction_rounds(state.budget):
-            plan = plan_round(history, state.budget, self.block_size, 0)
-            if plan.is_empty:
-                continue
-            for start, end in reversed(plan.ranges):
-                del tokens[start:end]
-            history = apply_eviction(history, plan.ranges, dropped=plan.dropped_segments)
-        return SessionSnapshot(
-            token_ids=tokens,
-            segments=[
-                (seg.index, seg.kind, seg.num_tokens, seg.pinned, seg.remnant)
-                for seg in history.segments
-            ],
-            next_index=history.next_index,
-            chunks=chunks,
-            tokens_evicted_total=history.tokens_evicted_total,
-            chunks_evicted_total=history.chunks_evicted_total,
-            evictions_total=history.evictions_total,
-            consolidations_total=history.consolidations_total,
-        )
-
-    def _record(
-        self, state: SessionRetentionState, history: SessionHistory, new_tokens: int
-    ) -> SessionHistory:
-        """The tokens computed since the last fold as segments: one "chunk" segment (the chunk
-        and its kept reply), or with a text window the chunk's head that closes the previous
-        reply ("reply"), the chunk ("text" or "frame") and its reply ("reply") apart."""
-        budget = state.budget
-        if budget.text_window_tokens is None:
-            _note_excess(state, history.next_index)
-            return append_segment(history, "chunk", new_tokens)
-        pinned = state.chunks < budget.sink_chunks
-        state.chunks += 1
-        # The chunk's head closes the previous reply's turn: text, kept with that reply.
-        head = min(state.pending_head, state.pending_prompt - 1, new_tokens - 1)
-        if head > 0:
-            history = append_segment(history, "reply", head, pinned=pinned)
-            new_tokens -= head
-        prompt = max(1, min(state.pending_prompt - max(head, 0), new_tokens))
-        _note_excess(state, history.next_index)
-        history = append_segment(history, state.pending_kind, prompt, pinned=pinned)
-        if new_tokens > prompt:
-            history = append_segment(history, "reply", new_tokens - prompt, pinned=pinned)
-        return history
+        return snapshot_of(self.sessions[request.request_id], request, self.block_size)
 
     def _incoming_excess(self, request: Any) -> int:
         """The mRoPE excess of the chunk just folded in (its uncomputed tokens and items)."""
@@ -656,20 +445,10 @@ class SessionRetention:
             return
         state.preemptions += 1
         state.history = consolidate(state.history)
-        _rebase_excess(state, state.history)
+        rebase_excess(state, state.history)
         state.reprefill_end = int(request.num_tokens)
-        request.block_hashes.clear()
-        request.update_block_hashes()
-        skip_prefix_cache_reads(request)
+        self.rewrite.rehash_for_resume(request)
         with_offset_reset(request.sampling_params)
-
-    def _drop_tail(self, request: Any, start: int) -> None:
-        """Remove the uncomputed tokens from `start` on (a control chunk's prompt)."""
-        del request._all_token_ids[start:]
-        assert request.prompt_token_ids is not None
-        del request.prompt_token_ids[start:]
-        request.num_prompt_tokens = len(request.prompt_token_ids)
-        del request.block_hashes[start // self.block_size :]
 
     def idle_consolidation_due(self, request: Any) -> bool:
         """At a chunk boundary: whether the next chunk (as large as the largest seen) would
@@ -712,71 +491,9 @@ class SessionRetention:
     def _compact_request(
         self, request: Any, start: int, end: int, state: SessionRetentionState | None = None
     ) -> None:
-        width = end - start
-        del request._all_token_ids[start:end]
-        assert request.prompt_token_ids is not None
-        del request.prompt_token_ids[start:end]
-        request.num_prompt_tokens = len(request.prompt_token_ids)
-        request.num_computed_tokens -= width
-        bs = self.block_size
-        del request.block_hashes[start // bs : end // bs]
-        # Its remaining hashes chain over the uncompacted tokens: never look them up again.
-        skip_prefix_cache_reads(request)
-        if request.mm_features:
-            self._compact_features(request, start, end, state)
-
-    def _compact_features(
-        self, request: Any, start: int, end: int, state: SessionRetentionState | None
-    ) -> None:
-        width = end - start
-        old = request.mm_features
-        new_index: dict[int, int] = {}
-        kept: list[Any] = []
-        dropped: list[int] = []
-        for i, feature in enumerate(old):
-            pos = feature.mm_position
-            if pos.offset >= end:
-                feature.mm_position = replace(pos, offset=pos.offset - width)
-            elif pos.offset + pos.length > start:
-                # Placeholders (some or all) freed with the range: the item is gone.
-                dropped.append(i)
-                continue
-            new_index[i] = len(kept)
-            kept.append(feature)
-        if not dropped:
-            return
-        ecm = self.encoder_cache_manager
-        if ecm is not None:
-            # Encoder inputs this request still references are indexed by position in
-            # mm_features: unreference the dropped ones (while the old list is in place) and
-            # renumber the others. At a fold every item is computed, so this is normally empty.
-            refs = ecm.request_cached_ids.get(request.request_id)
-            for i in dropped:
-                if refs and i in refs:
-                    ecm.free_encoder_input(request, i)
-            refs = ecm.request_cached_ids.get(request.request_id)
-            if refs:
-                ecm.request_cached_ids[request.request_id] = {new_index[i] for i in refs}
-        request.mm_features = kept
-        if ecm is not None:
-            still_used = {feature.identifier for feature in kept}
-            for i in dropped:
-                if self._release_encoder_entry(old[i].identifier, still_used) and state:
-                    state.encoder_entries_released += 1
-
-    def _release_encoder_entry(self, mm_hash: str, still_used: set[str]) -> bool:
-        """Free an unreferenced encoder-cache entry now (vLLM frees them lazily, on pressure)."""
-        ecm = self.encoder_cache_manager
-        if mm_hash in still_used or ecm.cached.get(mm_hash):
-            return False  # this session still holds an identical item, or a request uses it
-        num_embeds = ecm.freeable.pop(mm_hash, None)
-        if num_embeds is None:
-            return False  # already evicted (or never cached)
-        ecm.cached.pop(mm_hash, None)
-        ecm.num_embeds_by_hash.pop(mm_hash, None)
-        ecm.num_free_slots += num_embeds
-        ecm.freed.append(mm_hash)  # the worker pops its tensor when the next step reports it
-        return True
+        released = self.rewrite.compact(request, start, end)
+        if state is not None:
+            state.encoder_entries_released += released
 
     def on_encoder_inputs_scheduled(self, scheduled: dict[str, list[int]]) -> None:
         for request_id, input_ids in scheduled.items():
@@ -784,68 +501,12 @@ class SessionRetention:
             if state is not None:
                 state.encoder_inputs_scheduled += len(input_ids)
 
-    def _reprefill(self, request: Any) -> None:
-        """Self-preemption: free every block, recompute the compacted context from position 0."""
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        request.block_hashes.clear()
-        request.update_block_hashes()
-        # The fresh chain describes the compacted tokens at positions 0..n-1, but reading it
-        # could still hit blocks other requests cached for the same tokens: also correct (same
-        # tokens, same positions); we skip reads anyway to keep the re-prefill self-contained.
-        skip_prefix_cache_reads(request)
-
     # -- introspection
 
     def summary(self, request: Any) -> dict[str, Any]:
         """The counters only, cheap enough for every frame (the server reports them per reply)."""
-        state = self.sessions[request.request_id]
-        h = state.history
-        return {
-            "segments": len(h.segments),
-            # Whole chunks held; remnants (tokens of a dropped chunk that share a block with a
-            # survivor) are counted in tokens, not as retained chunks.
-            # With a text window a reply is a segment of its own, not a chunk.
-            "chunks_retained": len(
-                {seg.index for seg in h.segments if not seg.remnant and seg.kind != "reply"}
-            ),
-            "text_tokens": sum(
-                seg.num_tokens for seg in h.segments if not seg.remnant and seg.kind in TEXT_KINDS
-            ),
-            "remnant_tokens": sum(seg.num_tokens for seg in h.segments if seg.remnant),
-            "chunks_evicted": h.chunks_evicted_total,
-            "tokens_evicted": h.tokens_evicted_total,
-            "tokens_held": h.num_tokens,
-            "evictions": h.evictions_total,
-            "consolidations": h.consolidations_total,
-            "idle_consolidations": state.idle_consolidations,
-            "rotations": state.rotations,
-            "rotation_fallbacks": state.rotation_fallbacks,
-            "preemptions": state.preemptions,
-        }
+        return summary(self.sessions[request.request_id])
 
     def describe(self, request: Any) -> dict[str, Any]:
         """`summary` plus per-token detail, for tests and benchmarks."""
-        state = self.sessions[request.request_id]
-        h = state.history
-        positions: list[int] = []
-        for seg in h.segments:
-            positions.extend(range(seg.position_start, seg.position_start + seg.num_tokens))
-        return {
-            **self.summary(request),
-            "position_cursor": h.next_position(),
-            # mRoPE: the cursor plus the excess (an upper bound of the largest position + 1).
-            "position_excess": state.position_excess + state.pending_excess,
-            "consolidation": state.consolidation,
-            "blocks_freed_total": state.blocks_freed_total,
-            "fold": state.fold,
-            "mm_items_held": len(request.mm_features or ()),
-            "mm_items_with_data": sum(1 for f in request.mm_features or () if f.data is not None),
-            "encoder_entries_released": state.encoder_entries_released,
-            "encoder_inputs_scheduled": state.encoder_inputs_scheduled,
-            "history_positions": positions,
-            "segment_chunks": [
-                [seg.index, seg.kind, seg.start, seg.end, seg.remnant] for seg in h.segments
-            ],
-            "token_ids": list(request._all_token_ids[: h.num_tokens]),
-        }
+        return describe(self.sessions[request.request_id], request)
