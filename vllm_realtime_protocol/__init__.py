@@ -56,6 +56,7 @@ from vllm_realtime_protocol.errors import (
     Unauthorized,
     UndecodableFrame,
     UnknownEventType,
+    VllmRealtimeError,
     error_event,
 )
 from vllm_realtime_protocol.events import (
@@ -216,6 +217,7 @@ __all__ = [
     "UnknownEventType",
     "UpdateSession",
     "Usage",
+    "VllmRealtimeError",
     "api_key_from_handshake",
     "bearer_token",
     "decode_base64_payload",

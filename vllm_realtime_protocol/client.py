@@ -97,6 +97,11 @@ class ClientProtocol:
         """The session's state, as the server has it once it has read what was sent."""
         return self._state
 
+    @property
+    def busy(self) -> bool:
+        """A chunk is in flight: sent (or announced), its response.done not received."""
+        return self._state in (State.AWAITING_BINARY, State.AWAITING_RESPONSE)
+
     # -- what the client sends
 
     def send(self, event: ClientEvent) -> ClientEvent:
@@ -110,13 +115,21 @@ class ClientProtocol:
         self._step(Input.BINARY, None)
         return data
 
-    def _step(self, inp: Input, event_id: str | None) -> None:
+    def check(self, event: ClientEvent) -> None:
+        """Raise the server's own refusal of ``event`` in the current state, as :meth:`send`
+        would, without sending it (the state is unchanged either way)."""
+        self._refuse(classify(event), event.event_id)
+
+    def _refuse(self, inp: Input, event_id: str | None) -> None:
         refusal = REFUSALS.get((self._state, inp))
         if refusal is not None:
             raise refusal(
                 f"{refusal.default_message} ({inp.value} in state {self._state.name})",
                 event_id=event_id,
             )
+
+    def _step(self, inp: Input, event_id: str | None) -> None:
+        self._refuse(inp, event_id)
         # A cancel the tables allow is never refused: it is answered by the reply's response.done.
         self._unanswered = None if inp is Input.RESPONSE_CANCEL else _Sent(inp, self._state)
         self._state = TRANSITIONS[(self._state, inp)]

@@ -1,5 +1,9 @@
 """The one error tree of the protocol; every refusal the server sends is one of these.
 
+:class:`VllmRealtimeError` is the root of every exception the protocol and its clients raise:
+:class:`RealtimeError` (the wire's errors, below) and the clients' own failures on their side of
+the socket (the Python SDK's ``ClientError``: a broken connection, a client-side timeout).
+
 Each class fixes three things the client sees in an ``error`` event: ``code``
 (machine readable, stable), ``type`` (the broad class), and
 ``session_survives`` (whether the connection, and the session if one is open,
@@ -76,6 +80,7 @@ __all__ = [
     "Unauthorized",
     "UndecodableFrame",
     "UnknownEventType",
+    "VllmRealtimeError",
     "error_event",
     "truncate",
 ]
@@ -105,7 +110,12 @@ def _wire_safe(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-class RealtimeError(Exception):
+class VllmRealtimeError(Exception):
+    """Root of every exception of the protocol and its clients: ``except VllmRealtimeError``
+    catches a server's refusal and a client's local failure alike."""
+
+
+class RealtimeError(VllmRealtimeError):
     """Base of every protocol error; subclasses fix ``code``, ``type`` and ``session_survives``."""
 
     code: ClassVar[str] = "internal_error"

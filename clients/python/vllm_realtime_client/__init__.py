@@ -38,6 +38,7 @@ from vllm_realtime_client.errors import (
     SessionNotOpen,
     Unauthorized,
     UndecodableFrame,
+    VllmRealtimeError,
 )
 from vllm_realtime_client.session import (
     AuthMethod,
@@ -110,6 +111,7 @@ __all__ = [
     "Unauthorized",
     "UndecodableFrame",
     "Usage",
+    "VllmRealtimeError",
     "__version__",
     "connect",
     "mint_client_secret",

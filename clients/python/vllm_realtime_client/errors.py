@@ -15,10 +15,14 @@ branch of the tree to catch a family::
 Failures on the client's side of the socket are :class:`ClientError`\\ s:
 :class:`ConnectError` (the handshake failed), :class:`ConnectionLost` (the socket went away
 without a ``session.closed``) and :class:`ResponseTimeout` (a reply took longer than the
-client's ``timeout``; also a :class:`TimeoutError`).
+client's ``timeout``; also a :class:`TimeoutError`).  Both trees share one root,
+:class:`VllmRealtimeError`: ``except VllmRealtimeError`` catches anything this client raises
+for the session (each ``code`` is the JS client's code for the same failure).
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from vllm_realtime_protocol.errors import (
     ERROR_CLASSES,
@@ -47,6 +51,7 @@ from vllm_realtime_protocol.errors import (
     Unauthorized,
     UndecodableFrame,
     UnknownEventType,
+    VllmRealtimeError,
 )
 from vllm_realtime_protocol.events import ErrorDetail, ErrorType
 
@@ -80,6 +85,7 @@ __all__ = [
     "Unauthorized",
     "UndecodableFrame",
     "UnknownEventType",
+    "VllmRealtimeError",
     "error_class_for",
     "error_from_detail",
 ]
@@ -94,16 +100,22 @@ _BY_TYPE: dict[ErrorType, type[RealtimeError]] = {
 }
 
 
-class ClientError(Exception):
+class ClientError(VllmRealtimeError):
     """A failure on the client's side of the socket (not an ``error`` event)."""
+
+    code: ClassVar[str] = "client_error"
 
 
 class ConnectError(ClientError):
     """The WebSocket handshake failed, or the server did not greet with ``session.created``."""
 
+    code: ClassVar[str] = "connection_failed"
+
 
 class ConnectionLost(ClientError):
     """The socket closed (or broke) before the server sent ``session.closed``."""
+
+    code: ClassVar[str] = "connection_lost"
 
 
 class ResponseTimeout(ClientError, TimeoutError):
@@ -112,6 +124,8 @@ class ResponseTimeout(ClientError, TimeoutError):
     A reply that timed out is cancelled (``response.cancel`` is sent); the session stays usable
     once its ``response.done`` has arrived.
     """
+
+    code: ClassVar[str] = "timeout"
 
 
 def error_class_for(code: str, error_type: ErrorType) -> type[RealtimeError]:

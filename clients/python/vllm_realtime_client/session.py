@@ -38,15 +38,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import enum
 import itertools
 import logging
-import os
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
+from collections.abc import AsyncIterator, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from websockets.asyncio.client import ClientConnection
@@ -54,30 +52,31 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
 
+from vllm_realtime_client import recovery
 from vllm_realtime_client.errors import (
-    ChunkInFlight,
     ConnectError,
     ConnectionLost,
     FrameTooLarge,
     InvalidEvent,
     RealtimeError,
     ResponseTimeout,
-    SessionAlreadyOpen,
     SessionClosed,
-    SessionNotOpen,
     Unauthorized,
     UndecodableFrame,
     error_from_detail,
 )
+from vllm_realtime_client.forms import _DEFAULT, SessionForms, _Default, _Timeout
+from vllm_realtime_protocol.client import ClientProtocol
 from vllm_realtime_protocol.codec import encode_client_event, parse_server_event, sniff_media
 from vllm_realtime_protocol.constants import AUTH_SUBPROTOCOL_PREFIX, SUBPROTOCOL
+from vllm_realtime_protocol.errors import InternalError, VllmRealtimeError
 from vllm_realtime_protocol.events import (
     ChunkLimits,
+    ClientEvent,
     ErrorEvent,
     FrameAppendEvent,
     FrameFormat,
     InputAckEvent,
-    Limits,
     Modality,
     ResponseCancelEvent,
     ResponseCreatedEvent,
@@ -96,10 +95,10 @@ from vllm_realtime_protocol.events import (
     SessionOpenedEvent,
     SessionOpenEvent,
     SessionResumedEvent,
-    SessionResumeEvent,
     SessionUpdatedEvent,
     SessionUpdateEvent,
 )
+from vllm_realtime_protocol.tables import State
 
 __all__ = ["AuthMethod", "Connector", "RealtimeSession", "ResponseStream", "connect"]
 
@@ -111,32 +110,6 @@ AuthMethod: TypeAlias = Literal["header", "subprotocol"]
 _MAX_KEPT_ERRORS = 64
 _T = TypeVar("_T")
 _E = TypeVar("_E", SessionResumedEvent, SessionOpenedEvent)
-
-
-class _Default(enum.Enum):
-    """Sentinel type: "use the session's default timeout"."""
-
-    TOKEN = 0
-
-
-_DEFAULT = _Default.TOKEN
-_Timeout: TypeAlias = "float | _Default | None"
-
-if TYPE_CHECKING:  # typing.Unpack is 3.11+; annotations are not evaluated at run time
-    from typing import Unpack
-
-
-class _FrameOptions(TypedDict, total=False):
-    """The keywords of :meth:`RealtimeSession.stream_frame`, once, for the methods that take
-    them all and pass them on (:meth:`RealtimeSession.offer_frame`)."""
-
-    prompt: str | None
-    frame_id: str | None
-    timestamp: float | None
-    binary: bool
-    reply: bool
-    response_format: ResponseFormat | dict[str, Any] | None
-    timeout: _Timeout
 
 
 def _model(cls: type[BaseModel], value: Any) -> Any:
@@ -170,7 +143,7 @@ class _Turn:
         self.event_id = event_id
         self.frame_id = frame_id
         # What was sent, to send again if the server never accepted it (resilient sessions).
-        self.messages: list[str | bytes] = []
+        self.items: list[ClientEvent | bytes] = []
         self.events: asyncio.Queue[ServerEvent | BaseException] = asyncio.Queue()
         self.finished = asyncio.Event()
         self.ack: InputAckEvent | None = None
@@ -288,12 +261,17 @@ class ResponseStream:
         return done
 
 
-class RealtimeSession:
+class RealtimeSession(SessionForms):
     """A connection to ``/v1/realtime`` and its one session.  Made by :func:`connect`.
 
-    Calls are coroutines; concurrent ``append_*`` calls are sent one at a time, each after the
-    previous reply's ``response.done`` (the protocol allows one chunk in flight).  A live
-    source should not queue frames here: check :attr:`busy` and drop frames instead.
+    The session's state is the protocol's own client machine
+    (:class:`~vllm_realtime_protocol.client.ClientProtocol`, :attr:`protocol`): every event
+    goes through it before the socket, so what the server would refuse (a second chunk in
+    flight, a chunk before ``open``) is refused here with the server's own error, and every
+    server event goes through it first.  One streaming verb, :meth:`stream`, sends a chunk;
+    ``append_frame``, ``ask`` and the other chunk calls are one-line forms of it
+    (:mod:`vllm_realtime_client.forms`).  A live source should not queue frames here: check
+    :attr:`busy` and drop frames instead (``offer_frame``).
     """
 
     def __init__(
@@ -310,7 +288,10 @@ class RealtimeSession:
     ) -> None:
         self._ws = ws
         self._created = created
+        self._proto = ClientProtocol()
+        self._proto.receive(created)
         self._connector = connector
+        # What the caller got from open() (or a resume): the machine holds its config.
         self._opened: SessionOpenedEvent | None = None
         self._closed: SessionClosedEvent | None = None
         self._fatal: BaseException | None = None
@@ -322,7 +303,7 @@ class RealtimeSession:
         # Queues of the open `events()` iterators; None in a queue ends its iterator.
         self._subscribers: set[asyncio.Queue[ServerEvent | None]] = set()
         self.dropped = 0
-        """Frames :meth:`offer_frame` dropped because a chunk was in flight (or the session was
+        """Frames ``offer_frame`` dropped because a chunk was in flight (or the session was
         moving to a new connection)."""
         self._ids = itertools.count(1)
         self._send_lock = asyncio.Lock()
@@ -333,12 +314,11 @@ class RealtimeSession:
         self._cancel_ids: set[str] = set()
         self._ended = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
-        self.errors: deque[RealtimeError] = deque(maxlen=_MAX_KEPT_ERRORS)
-        """Surviving ``error`` events that answered no pending call (newest last)."""
-        # Resilience (resumable sessions): the token, the index the next accepted chunk gets,
-        # whether chunks may be sent now (cleared while reconnecting or draining).
-        self._resume_token: str | None = None
-        self._next_index = 0
+        self.errors: deque[VllmRealtimeError] = deque(maxlen=_MAX_KEPT_ERRORS)
+        """Surviving ``error`` events that answered no pending call, and server events the
+        protocol machine found out of order (an ``InternalError``: a server bug), newest last."""
+        # Resilience (resumable sessions): whether chunks may be sent now (cleared while
+        # reconnecting or draining).
         self._ready = asyncio.Event()
         self._ready.set()
         self._moving = False  # session.closed(server_shutdown) of a resilient session arrived
@@ -358,50 +338,28 @@ class RealtimeSession:
     # ------------------------------------------------------------------ state
 
     @property
+    def protocol(self) -> ClientProtocol:
+        """The session's protocol machine (state, config, next frame index, resume token)."""
+        return self._proto
+
+    @property
     def session_id(self) -> str:
         """The session's id (from ``session.opened``, ``session.resumed`` or the greeting)."""
-        return self._opened.session_id if self._opened is not None else self._created.session_id
-
-    @property
-    def resilient(self) -> bool:
-        """Whether the session resumes after a drop and moves on after a drain (it was opened
-        with ``resumable`` and the server granted it)."""
-        return self._resume_token is not None and self._connector is not None
-
-    @property
-    def created(self) -> SessionCreatedEvent:
-        """The server's greeting."""
-        return self._created
-
-    @property
-    def opened(self) -> SessionOpenedEvent | None:
-        """The ``session.opened`` answer, once :meth:`open` succeeded."""
-        return self._opened
-
-    @property
-    def config(self) -> SessionConfig | None:
-        """The effective session settings (defaults filled, caps applied), once open."""
-        return None if self._opened is None else self._opened.config
-
-    @property
-    def limits(self) -> Limits:
-        """What the server allows (frame size, idle timeout, max_tokens cap, model)."""
-        return self._opened.limits if self._opened is not None else self._created.limits
+        return self._proto.session_id or self._created.session_id
 
     @property
     def busy(self) -> bool:
         """True while a chunk is in flight (sent, its ``response.done`` not yet received)."""
-        return self._turn is not None and not self._turn.finished.is_set()
+        if self._ended.is_set():
+            return False
+        return self._proto.busy or self._proto.in_flight_frame_index is not None
 
     @property
     def closed(self) -> SessionClosedEvent | None:
         """The ``session.closed`` event, once the session ended."""
+        if self._proto.state is not State.CLOSED or self._moving:
+            return None
         return self._closed
-
-    @property
-    def is_closed(self) -> bool:
-        """True once the session ended (closed by either side, or the socket went away)."""
-        return self._ended.is_set() or self._fatal is not None
 
     # ------------------------------------------------------------------ calls
 
@@ -436,8 +394,6 @@ class RealtimeSession:
         :class:`~vllm_realtime_protocol.errors.InvalidEvent` for settings the server refuses.
         """
         self._check_alive()
-        if self._opened is not None or self._open_wait is not None:
-            raise SessionAlreadyOpen("open() was already called on this session")
         fields: dict[str, Any] = {}
         base = _model(SessionConfig, config)
         if base is not None:
@@ -458,21 +414,20 @@ class RealtimeSession:
             event = SessionOpenEvent(event_id=event_id, **fields)
         except ValidationError as exc:
             raise InvalidEvent(f"session.open: {_first_error(exc)}") from None
+        self._proto.check(event)  # session_already_open, session_closed
         future: asyncio.Future[SessionOpenedEvent] = asyncio.get_running_loop().create_future()
         self._open_wait = (event_id, future)
         try:
-            await self._send(encode_client_event(event))
+            await self._send(event)
             opened = await self._wait(future, self._resolve_timeout(timeout), "session.opened")
         finally:
             self._open_wait = None
         self._opened = opened
-        self._resume_token = opened.resume_token
-        self._next_index = 0
         return opened
 
-    def stream_frame(
+    def stream(
         self,
-        data: bytes,
+        chunk: bytes | str,
         *,
         prompt: str | None = None,
         frame_id: str | None = None,
@@ -482,152 +437,27 @@ class RealtimeSession:
         response_format: ResponseFormat | dict[str, Any] | None = None,
         timeout: _Timeout = _DEFAULT,
     ) -> ResponseStream:
-        """Send one image (JPEG/PNG/WebP) or clip (MP4/WebM) and stream its reply.
+        """Send one chunk and stream its reply: ``bytes`` are an image (JPEG/PNG/WebP) or a
+        clip (MP4/WebM), a ``str`` is a text turn (in a ``"video"`` session, a question about
+        what the window holds).
 
-        ``reply=False`` only prefills it (see :meth:`ingest_frame`); ``response_format``
-        constrains this reply (OpenAI's shape), overriding the session's.
-
-        ``binary=True`` (default) sends the bytes as a binary WebSocket message after a
-        ``frame.append`` with ``"binary": true``; ``binary=False`` sends base64 inside the JSON.
-        Size and format are checked here first (:class:`~vllm_realtime_protocol.errors.FrameTooLarge`,
+        ``reply=False`` only prefills it (status ``ingested``); ``response_format``
+        constrains this reply (OpenAI's shape), overriding the session's.  ``binary=True``
+        (default) sends image bytes as a binary WebSocket message after a ``frame.append``
+        with ``"binary": true``; ``binary=False`` sends base64 inside the JSON.  Size and
+        format are checked here first (:class:`~vllm_realtime_protocol.errors.FrameTooLarge`,
         :class:`~vllm_realtime_protocol.errors.UndecodableFrame`), without a round trip.
         """
-        media = sniff_media(data)
-        if media is None:
-            raise UndecodableFrame("payload is not JPEG, PNG, WebP, MP4 or WebM")
-        limit = self.limits.max_frame_bytes
-        if len(data) > limit:
-            raise FrameTooLarge(f"payload is {len(data)} bytes; the server's limit is {limit}")
         common: dict[str, Any] = {"prompt": prompt, "frame_id": frame_id, "timestamp": timestamp}
         if not reply:
             common["reply"] = False
         if response_format is not None:
             common["response_format"] = response_format
-        if binary:
-            payload = _Payload(self._frame_event(binary=True, **common), data)
+        if isinstance(chunk, str):
+            payload = _Payload(self._frame_event(text=chunk, **common))
         else:
-            field = "video" if media in ("mp4", "webm") else "image"
-            encoded = base64.b64encode(data).decode("ascii")
-            payload = _Payload(self._frame_event(**{field: encoded}, **common))
+            payload = self._media_payload(chunk, binary, common)
         return ResponseStream(self, payload, self._resolve_timeout(timeout))
-
-    async def append_frame(
-        self,
-        data: bytes,
-        *,
-        prompt: str | None = None,
-        frame_id: str | None = None,
-        timestamp: float | None = None,
-        binary: bool = True,
-        response_format: ResponseFormat | dict[str, Any] | None = None,
-        timeout: _Timeout = _DEFAULT,
-    ) -> ResponseDoneEvent:
-        """Send one image or clip and return its ``response.done`` (see :meth:`stream_frame`).
-
-        A reply that ended badly is still returned: check ``done.status`` (``completed``,
-        ``incomplete``, ``cancelled``, ``failed``).
-        """
-        stream = self.stream_frame(
-            data,
-            prompt=prompt,
-            frame_id=frame_id,
-            timestamp=timestamp,
-            binary=binary,
-            response_format=response_format,
-            timeout=timeout,
-        )
-        return await stream.result()
-
-    async def ingest_frame(
-        self,
-        data: bytes,
-        *,
-        frame_id: str | None = None,
-        timestamp: float | None = None,
-        binary: bool = True,
-        timeout: _Timeout = _DEFAULT,
-    ) -> ResponseDoneEvent:
-        """Watch one image or clip without a reply (``frame.append`` with ``reply: false``).
-
-        The frame is prefilled into the session's context and nothing is generated; the
-        ``response.done`` comes with ``status == "ingested"`` (empty text, no
-        ``response.created``, no deltas). Ask about what was watched with :meth:`ask`.
-        """
-        stream = self.stream_frame(
-            data,
-            frame_id=frame_id,
-            timestamp=timestamp,
-            binary=binary,
-            reply=False,
-            timeout=timeout,
-        )
-        return await stream.result()
-
-    def stream_ask(
-        self,
-        question: str,
-        *,
-        response_format: ResponseFormat | dict[str, Any] | None = None,
-        frame_id: str | None = None,
-        timestamp: float | None = None,
-        timeout: _Timeout = _DEFAULT,
-    ) -> ResponseStream:
-        """Ask a question between frames (a ``text`` chunk, also in ``"video"`` sessions) and
-        stream the answer. ``response_format`` constrains this answer, overriding the session's."""
-        fields: dict[str, Any] = {"text": question, "frame_id": frame_id, "timestamp": timestamp}
-        if response_format is not None:
-            fields["response_format"] = response_format
-        event = self._frame_event(**fields)
-        return ResponseStream(self, _Payload(event), self._resolve_timeout(timeout))
-
-    async def ask(
-        self,
-        question: str,
-        *,
-        response_format: ResponseFormat | dict[str, Any] | None = None,
-        frame_id: str | None = None,
-        timestamp: float | None = None,
-        timeout: _Timeout = _DEFAULT,
-    ) -> ResponseDoneEvent:
-        """Ask a question about what the session holds and return its ``response.done``
-        (the answer is ``done.text``; see :meth:`stream_ask`)."""
-        stream = self.stream_ask(
-            question,
-            response_format=response_format,
-            frame_id=frame_id,
-            timestamp=timestamp,
-            timeout=timeout,
-        )
-        return await stream.result()
-
-    def stream_text(
-        self,
-        text: str,
-        *,
-        prompt: str | None = None,
-        frame_id: str | None = None,
-        timestamp: float | None = None,
-        timeout: _Timeout = _DEFAULT,
-    ) -> ResponseStream:
-        """Send one text turn and stream its reply (in a ``"video"`` session it is a question
-        about what the window holds; see :meth:`ask`)."""
-        event = self._frame_event(text=text, prompt=prompt, frame_id=frame_id, timestamp=timestamp)
-        return ResponseStream(self, _Payload(event), self._resolve_timeout(timeout))
-
-    async def append_text(
-        self,
-        text: str,
-        *,
-        prompt: str | None = None,
-        frame_id: str | None = None,
-        timestamp: float | None = None,
-        timeout: _Timeout = _DEFAULT,
-    ) -> ResponseDoneEvent:
-        """Send one text turn and return its ``response.done``."""
-        stream = self.stream_text(
-            text, prompt=prompt, frame_id=frame_id, timestamp=timestamp, timeout=timeout
-        )
-        return await stream.result()
 
     async def update(
         self,
@@ -642,8 +472,6 @@ class RealtimeSession:
         modality and limits are fixed for the session's life (the server refuses them with
         ``invalid_request``, its ``param`` naming the field)."""
         self._check_alive()
-        if self._opened is None:
-            raise SessionNotOpen("call open() before update()")
         fields: dict[str, Any] = {}
         if sampling is not None:
             fields["sampling"] = (
@@ -659,92 +487,10 @@ class RealtimeSession:
         future: asyncio.Future[SessionUpdatedEvent] = asyncio.get_running_loop().create_future()
         self._update_waits[event_id] = future
         try:
-            await self._send(encode_client_event(event))
+            await self._send(event)  # the machine refuses it before open: session_not_open
             return await self._wait(future, self._resolve_timeout(timeout), "session.updated")
         finally:
             del self._update_waits[event_id]
-
-    async def offer_frame(
-        self,
-        data: bytes | Callable[[], bytes | Awaitable[bytes]],
-        **options: Unpack[_FrameOptions],
-    ) -> ResponseDoneEvent | None:
-        """Send a frame if no chunk is in flight, else drop it and return None: how a live
-        source paces itself (the JS client's ``offerFrame``; nothing queues, so latency stays
-        one reply).  ``data`` may be a callable, so a frame is only captured or encoded when
-        it will be sent.  Drops are counted in :attr:`dropped`.  The keywords are
-        :meth:`stream_frame`'s (``prompt``, ``frame_id``, ``timestamp``, ``binary``,
-        ``reply``, ``response_format``, ``timeout``)."""
-        if self.busy or not self._ready.is_set():
-            self.dropped += 1
-            return None
-        payload = data() if callable(data) else data
-        if not isinstance(payload, bytes):
-            payload = await payload
-        if self.busy or not self._ready.is_set():  # taken while the frame was being made
-            self.dropped += 1
-            return None
-        return await self.stream_frame(payload, **options).result()
-
-    async def stream_video(
-        self,
-        source: str | os.PathLike[str],
-        *,
-        fps: float = 1.0,
-        prompt: str | None = None,
-        reply_every: int = 1,
-        width: int | None = None,
-        height: int | None = None,
-        realtime: bool = True,
-        max_frames: int | None = None,
-        timeout: _Timeout = _DEFAULT,
-    ) -> AsyncIterator[ResponseDoneEvent]:
-        """Stream a video file (or any URL FFmpeg opens) into the session as JPEG frames, one
-        every ``1/fps`` seconds of video time, and yield each ``response.done``.
-
-        ``realtime=True`` plays the video at its own pace and offers each frame when it is
-        due: a frame due while a reply is still running is dropped (counted in
-        :attr:`dropped`), as a live camera would be.  ``realtime=False`` sends every sampled
-        frame, each after the previous reply.  Every ``reply_every``-th frame is answered
-        (with ``prompt``); the others are only watched (status ``ingested``).  Needs PyAV
-        (``pip install 'vllm-realtime-client[video]'``)."""
-        from vllm_realtime_client.video import sample_jpegs
-
-        if reply_every < 1:
-            raise ValueError(f"reply_every must be >= 1, got {reply_every}")
-        frames = sample_jpegs(source, fps=fps, width=width, height=height)
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        pending: asyncio.Task[ResponseDoneEvent | None] | None = None
-        for number, (at, jpeg) in enumerate(frames):
-            if max_frames is not None and number >= max_frames:
-                break
-            if realtime:
-                await asyncio.sleep(max(0.0, start + at - loop.time()))
-            elif pending is not None:
-                await asyncio.wait([pending])
-            if pending is not None and pending.done():
-                finished, pending = pending.result(), None
-                if finished is not None:
-                    yield finished
-            answer = number % reply_every == reply_every - 1
-            offer = self.offer_frame(
-                jpeg,
-                prompt=prompt if answer else None,
-                frame_id=f"video-{number}",
-                timestamp=at,
-                reply=answer,
-                timeout=timeout,
-            )
-            if pending is not None:  # still busy: this frame's moment has passed
-                offer.close()
-                self.dropped += 1
-                continue
-            pending = asyncio.ensure_future(offer)
-        if pending is not None:
-            finished = await pending
-            if finished is not None:
-                yield finished
 
     def events(self) -> AsyncIterator[ServerEvent]:
         """Every server event from now on, in order, until the session ends: ``async for
@@ -795,14 +541,12 @@ class RealtimeSession:
         try:
             if not self._ended.is_set() and self._fatal is None:
                 with contextlib.suppress(ConnectionLost, SessionClosed):
-                    await self._send(
-                        encode_client_event(SessionCloseEvent(event_id=self._new_id()))
-                    )
+                    await self._send(SessionCloseEvent(event_id=self._new_id()))
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._ended.wait(), wait)
         finally:
             await self._shutdown(wait)
-        return self._closed
+        return self.closed
 
     async def __aenter__(self) -> RealtimeSession:
         return self
@@ -831,9 +575,25 @@ class RealtimeSession:
         except ValidationError as exc:
             raise InvalidEvent(f"frame.append: {_first_error(exc)}") from None
 
+    def _media_payload(self, data: bytes, binary: bool, common: dict[str, Any]) -> _Payload:
+        media = sniff_media(data)
+        if media is None:
+            raise UndecodableFrame("payload is not JPEG, PNG, WebP, MP4 or WebM")
+        limit = self.limits.max_frame_bytes
+        if len(data) > limit:
+            raise FrameTooLarge(f"payload is {len(data)} bytes; the server's limit is {limit}")
+        if binary:
+            return _Payload(self._frame_event(binary=True, **common), data)
+        field = "video" if media in ("mp4", "webm") else "image"
+        encoded = base64.b64encode(data).decode("ascii")
+        return _Payload(self._frame_event(**{field: encoded}, **common))
+
     def _check_alive(self) -> None:
-        if self._closed is not None:
-            raise SessionClosed(f"the session is closed ({self._closed.reason})") from self._fatal
+        """Raise why nothing can be sent: the session's end (or the socket's) as it happened;
+        the machine refuses the rest (a closed session, a chunk in flight)."""
+        closed = self.closed
+        if closed is not None:
+            raise SessionClosed(f"the session is closed ({closed.reason})") from self._fatal
         if self._fatal is not None:
             if isinstance(self._fatal, (RealtimeError, ConnectionLost)):
                 raise self._fatal
@@ -841,15 +601,25 @@ class RealtimeSession:
         if self._ended.is_set():
             raise ConnectionLost("the connection is closed")
 
-    async def _send(self, *messages: str | bytes) -> None:
-        """Send messages back to back (an announcement and its binary payload stay together)."""
+    async def _send(self, *items: ClientEvent | bytes) -> None:
+        """Send events (and a binary payload) back to back, each through the machine first."""
         self._check_alive()
+        try:
+            await self._transmit(self._ws, self._proto, items)
+        except ConnectionClosed as exc:
+            raise ConnectionLost(f"the connection closed while sending: {exc}") from None
+
+    async def _transmit(
+        self, ws: ClientConnection, proto: ClientProtocol, items: Sequence[ClientEvent | bytes]
+    ) -> None:
+        """Step ``proto`` and send each item on ``ws`` under the send lock (an announcement and
+        its binary payload stay together); a refusal by the machine raises before the socket."""
         async with self._send_lock:
-            try:
-                for message in messages:
-                    await self._ws.send(message)
-            except ConnectionClosed as exc:
-                raise ConnectionLost(f"the connection closed while sending: {exc}") from None
+            for item in items:
+                if isinstance(item, bytes):
+                    await ws.send(proto.send_binary(item))
+                else:
+                    await ws.send(encode_client_event(proto.send(item)))
 
     async def _wait(self, future: asyncio.Future[_T], timeout: float | None, what: str) -> _T:
         try:
@@ -864,18 +634,11 @@ class RealtimeSession:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self._check_alive()
-        if self._opened is None:
-            raise SessionNotOpen("call open() before sending chunks")
         async with self._turn_lock:
+            event = payload.event.model_copy(update={"event_id": self._new_id()})
             previous = self._turn
-            if previous is not None and not previous.finished.is_set() and not previous.abandoned:
-                # One rule with the JS client (docs/protocol.md, "One chunk in flight"): no
-                # hidden queue; a live source uses offer_frame, which drops instead.
-                raise ChunkInFlight(
-                    "a chunk is already in flight; wait for its response.done "
-                    "(or use offer_frame, which drops frames while busy)"
-                )
-            if previous is not None and not previous.finished.is_set():
+            if previous is not None and not previous.finished.is_set() and previous.abandoned:
+                # The caller gave up on it and the SDK cancelled it: its response.done is due.
                 remaining = None if deadline is None else max(deadline - loop.time(), 0)
                 try:
                     await asyncio.wait_for(previous.finished.wait(), remaining)
@@ -883,23 +646,24 @@ class RealtimeSession:
                     raise ResponseTimeout(
                         f"the previous reply was still in flight after {timeout} s"
                     ) from None
-            if not self._ready.is_set():  # reconnecting, or the server drains: wait for it
+            if self._ready.is_set():
+                # One rule with the JS client (docs/protocol.md, "One chunk in flight"): no
+                # hidden queue; a live source uses offer_frame, which drops instead.
+                self._proto.check(event)
+            else:  # reconnecting, or the server drains: wait for it
                 remaining = None if deadline is None else max(deadline - loop.time(), 0)
                 try:
                     await asyncio.wait_for(self._ready.wait(), remaining)
                 except asyncio.TimeoutError:
                     raise ResponseTimeout(f"still reconnecting after {timeout} s") from None
             self._check_alive()
-            event = payload.event.model_copy(update={"event_id": self._new_id()})
+            self._proto.check(event)
             assert event.event_id is not None
             turn = _Turn(event.event_id, event.frame_id)
             self._turn = turn
-            messages: list[str | bytes] = [encode_client_event(event)]
-            if payload.binary is not None:
-                messages.append(payload.binary)
-            turn.messages = messages
+            turn.items = [event] if payload.binary is None else [event, payload.binary]
             try:
-                await self._send(*messages)
+                await self._send(*turn.items)
             except ConnectionLost:
                 if not self.resilient:
                     turn.fail(ConnectionLost("the connection closed while sending"))
@@ -932,7 +696,7 @@ class RealtimeSession:
         event_id = self._new_id()
         self._cancel_ids.add(event_id)
         with contextlib.suppress(ConnectionLost, SessionClosed, RealtimeError):
-            await self._send(encode_client_event(ResponseCancelEvent(event_id=event_id)))
+            await self._send(ResponseCancelEvent(event_id=event_id))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -959,12 +723,12 @@ class RealtimeSession:
                 reason = await self._read_socket(self._ws)
                 if self._user_closing or not self.resilient or self._fatal is not None:
                     break
-                if self._closed is not None and not self._moving:
+                if self.closed is not None:
                     break
                 # Dropped: resume. Drained (or the resume is refused): a new session, unless
                 # the server handed the session over (a session store): resume it elsewhere.
                 handover = self.draining is not None and self.draining.handover
-                if not await self._recover(fresh=self._moving and not handover):
+                if not await recovery.recover(self, fresh=self._moving and not handover):
                     reason = f"{reason}; reconnecting failed after {self._max_retries()} tries"
                     break
         finally:
@@ -987,166 +751,8 @@ class RealtimeSession:
             return f"the connection broke: {exc}"
         return "the server closed the connection without session.closed"
 
-    # ------------------------------------------------------------------ resilience
-
     def _max_retries(self) -> int:
         return 0 if self._connector is None else self._connector.max_retries
-
-    async def _recover(self, *, fresh: bool) -> bool:
-        """Reconnect: resume the session, or (``fresh``, or the resume refused) open a new one
-        with the same settings. At most ``max_retries`` connection attempts, with backoff."""
-        connector = self._connector
-        assert connector is not None and self._opened is not None
-        self._ready.clear()
-        delay = connector.retry_backoff
-        for attempt in range(connector.max_retries):
-            if attempt:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 8.0)
-            if self._user_closing:
-                return False
-            try:
-                ws, greeting = await connector._handshake()
-            except Unauthorized:
-                return False  # the key (or secret) is no longer good: retrying will not help
-            except (ConnectError, RealtimeError) as exc:
-                log.info("reconnect attempt %d failed: %s", attempt + 1, exc)
-                continue
-            try:
-                if not fresh:
-                    resumed = await self._exchange(ws, self._resume_event(), SessionResumedEvent)
-                    if isinstance(resumed, SessionResumedEvent):
-                        await self._adopt(ws, greeting, resumed)
-                        return True
-                    log.info("session.resume refused (%s): opening a new session", resumed)
-                    fresh = True
-                    with contextlib.suppress(Exception):
-                        await ws.close()
-                    delay = connector.retry_backoff
-                    continue  # the refusal ended that connection; open on a new one
-                opened = await self._exchange(ws, self._reopen_event(), SessionOpenedEvent)
-                if isinstance(opened, SessionOpenedEvent):
-                    await self._adopt(ws, greeting, opened)
-                    return True
-                log.info("reopening refused (%s); retrying", opened)
-            except (ConnectionClosed, asyncio.TimeoutError, OSError) as exc:
-                log.info("reconnect attempt %d broke: %r", attempt + 1, exc)
-            with contextlib.suppress(Exception):
-                await ws.close()
-        return False
-
-    def _resume_event(self) -> SessionResumeEvent:
-        assert self._resume_token is not None
-        return SessionResumeEvent(
-            event_id=self._new_id(), session_id=self.session_id, resume_token=self._resume_token
-        )
-
-    def _reopen_event(self) -> SessionOpenEvent:
-        assert self._opened is not None
-        config = self._opened.config
-        fields = {name: getattr(config, name) for name in SessionConfig.model_fields}
-        return SessionOpenEvent(event_id=self._new_id(), **fields)
-
-    async def _exchange(
-        self, ws: ClientConnection, event: SessionResumeEvent | SessionOpenEvent, want: type[_T]
-    ) -> _T | str:
-        """Send one event on a fresh socket and read up to its answer: the answer, or the code
-        of the error that refused it."""
-        await ws.send(encode_client_event(event))
-        assert self._connector is not None
-        while True:
-            raw = await asyncio.wait_for(ws.recv(), self._connector.open_timeout)
-            if isinstance(raw, bytes):
-                continue
-            answer = parse_server_event(raw)
-            if isinstance(answer, want):
-                return answer
-            if isinstance(answer, ErrorEvent):
-                return answer.error.code
-            if isinstance(answer, SessionClosedEvent):  # e.g. the server drains
-                return f"session.closed ({answer.reason})"
-
-    async def _adopt(
-        self,
-        ws: ClientConnection,
-        greeting: SessionCreatedEvent,
-        answer: SessionResumedEvent | SessionOpenedEvent,
-    ) -> None:
-        """Carry on with the session on ``ws``; finish or resend the chunk in flight."""
-        old, self._ws = self._ws, ws
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(old.close(), 1.0)
-        self._created = greeting
-        self._closed = None
-        self._moving = False
-        self.draining = None
-        turn = self._turn
-        pending = turn is not None and not turn.finished.is_set()
-        expected = self._next_index if turn is None or turn.ack is None else turn.ack.frame_index
-        if isinstance(answer, SessionResumedEvent):
-            self.resumes += 1
-            self._resume_token = answer.resume_token
-            self._opened = SessionOpenedEvent(
-                session_id=answer.session_id,
-                config=answer.config,
-                limits=answer.limits,
-                resume_token=answer.resume_token,
-            )
-            self._next_index = answer.next_frame_index
-            self._emit(answer)
-            self._call_hook(self._on_resumed, answer)
-            if pending:
-                assert turn is not None
-                missed = answer.missed_response
-                if missed is not None and missed.frame_index == expected:
-                    self._ack(turn, expected)
-                    turn.finish(missed)
-                    self._next_index = max(self._next_index, expected + 1)
-                elif answer.in_flight_frame_index == expected:
-                    self._ack(turn, expected)  # the rest of the reply comes on this socket
-                elif turn.ack is None:
-                    await self._resend(turn)
-                elif answer.next_frame_index == expected and not turn.resent:
-                    # Accepted, then lost with its server (the store is at the last
-                    # response.done): the resumed session expects this chunk again. Once: a
-                    # chunk that kills servers must not kill the fleet.
-                    turn.resent = True
-                    self.chunks_resent += 1
-                    log.warning(
-                        "the reply to chunk %d was lost with its server; sending the chunk "
-                        "again to the resumed session",
-                        expected,
-                    )
-                    await self._resend(turn)
-                else:
-                    turn.fail(ConnectionLost("the reply in flight was lost with its server"))
-        else:
-            self.generation += 1
-            self._opened = answer
-            self._resume_token = answer.resume_token
-            self._next_index = 0
-            self._emit(answer)
-            if self._on_reopened is None:
-                # Never silent: the context the old session held is gone.
-                log.warning(
-                    "session could not be resumed: new session %s (generation %d) replaced it; "
-                    "its context is lost (pass on_reopened= to handle this)",
-                    answer.session_id[:12],
-                    self.generation,
-                )
-            self._call_hook(self._on_reopened, answer)
-            if pending:
-                assert turn is not None
-                if turn.ack is None:
-                    await self._resend(turn)  # never accepted: it goes to the new session
-                else:
-                    turn.fail(ConnectionLost("the reply in flight was lost with the session"))
-        self._ready.set()
-        log.info(
-            "session %s on a new connection (%s)",
-            self.session_id[:12],
-            "resumed" if isinstance(answer, SessionResumedEvent) else "new session",
-        )
 
     def _ack(self, turn: _Turn, frame_index: int) -> None:
         if turn.ack is None:
@@ -1154,9 +760,11 @@ class RealtimeSession:
             turn.events.put_nowait(turn.ack)
 
     async def _resend(self, turn: _Turn) -> None:
-        async with self._send_lock:
-            for message in turn.messages:
-                await self._ws.send(message)
+        """Send the turn's chunk again, through the (new) machine, on the (new) socket."""
+        try:
+            await self._transmit(self._ws, self._proto, turn.items)
+        except RealtimeError as exc:  # the resumed session refuses it (e.g. a chunk in flight)
+            turn.fail(exc)
 
     def _emit(self, event: ServerEvent) -> None:
         for queue in self._subscribers:
@@ -1180,7 +788,7 @@ class RealtimeSession:
         """The socket is gone: fail whatever still waits."""
         if self._ended.is_set():
             return
-        if self._closed is None and self._fatal is None:
+        if self.closed is None and self._fatal is None:
             self._fatal = exc
         self._fail_pending(self._fatal or exc, include_acked=True)
         self._ended.set()
@@ -1195,10 +803,14 @@ class RealtimeSession:
             turn.fail(exc)
 
     def _dispatch(self, event: ServerEvent) -> None:
+        try:
+            self._proto.receive(event)
+        except InternalError as exc:  # the server broke the protocol's order: its bug
+            log.error("server event out of order: %s", exc)
+            self.errors.append(exc)
         self._emit(event)
         turn = self._turn
         if isinstance(event, InputAckEvent):
-            self._next_index = event.frame_index + 1
             if turn is not None and turn.ack is None and not turn.finished.is_set():
                 turn.ack = event
                 turn.events.put_nowait(event)
@@ -1216,8 +828,6 @@ class RealtimeSession:
             if self._open_wait is not None and not self._open_wait[1].done():
                 self._open_wait[1].set_result(event)
         elif isinstance(event, SessionUpdatedEvent):
-            if self._opened is not None:
-                self._opened = self._opened.model_copy(update={"config": event.config})
             # session.updated answers the updates in the order they were sent.
             for future in self._update_waits.values():
                 if not future.done():
@@ -1229,12 +839,14 @@ class RealtimeSession:
                 # Finish the reply in flight; new chunks wait for the next session.
                 self._ready.clear()
         elif isinstance(event, SessionClosedEvent):
-            if self.resilient and event.reason == "server_shutdown" and not self._user_closing:
-                self._moving = True  # the reader opens a new session once the socket ends
-                return
             self._closed = event
-            exc = self._fatal or SessionClosed(f"the session was closed ({event.reason})")
-            self._fail_pending(exc, include_acked=True)
+            if self.resilient and event.reason == "server_shutdown" and not self._user_closing:
+                # The reader opens a new session (a new machine) once the socket ends.
+                self._moving = True
+                self._ready.clear()
+                return
+            ending = self._fatal or SessionClosed(f"the session was closed ({event.reason})")
+            self._fail_pending(ending, include_acked=True)
         elif isinstance(event, ErrorEvent):
             self._on_error(event)
 
