@@ -19,7 +19,13 @@ MAX_BENCH_MODULES = 12
 
 # Modules (paths from the root) that may import vLLM: the version-pinned adapter and the two
 # modules that own the engine.
-VLLM_ALLOWED = ("retention/vllm_adapter/", "realtime/engine.py", "realtime/engine_session.py")
+VLLM_ALLOWED = (
+    "retention/vllm_adapter/",
+    "realtime/engine.py",
+    "realtime/engine_session.py",
+    # The self-check drives the engine itself: sessions, preemption, its own sampling params.
+    "realtime/selfcheck.py",
+)
 # Known exceptions to VLLM_ALLOWED. The benchmarks build engines and requests of their own
 # (scheduler_cls, SamplingParams, executors) until they drive only the production classes
 # (#38's one-scheduler step); training/vlm_accuracy asks a built model through vLLM directly.
