@@ -1,4 +1,4 @@
-"""`vllm-realtime` command line: `serve` and `models list|build`."""
+"""`vllm-realtime` command line: `serve`, `models list|build` and `selfcheck`."""
 
 from __future__ import annotations
 
@@ -325,11 +325,27 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("names", nargs="*")
     models.add_argument("--all", action="store_true")
     models.add_argument("--force", action="store_true")
+    check = sub.add_parser(
+        "selfcheck",
+        help="check bounded sessions on this machine's vLLM against their oracle (tiny local "
+        "model: eviction, consolidation, preemption, blocks returned); exit 0 if all pass",
+    )
+    check.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the engine's dtype (the oracle is float32; half types get a looser tolerance)",
+    )
+    check.add_argument("--json", action="store_true", help="also print the results as JSON")
     args, rest = parser.parse_known_args(argv)
     if args.command == "serve":
         return _cmd_serve(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "selfcheck":
+        from realtime.selfcheck import selfcheck
+
+        return selfcheck(dtype=args.dtype, as_json=args.json)
     return _cmd_models(args)
 
 

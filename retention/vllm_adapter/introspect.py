@@ -72,7 +72,12 @@ def _worker_stats(worker: Any) -> dict[str, Any]:
     if v2_stats is not None:
         # Our V2 runner (retention/vllm_adapter/v2/worker.py) keeps no V1 request states.
         stats: dict[str, Any] = v2_stats()
-        return {"rss_bytes": _rss_bytes(), "rss_split_bytes": _rss_split(), **stats}
+        return {
+            "rss_bytes": _rss_bytes(),
+            "rss_split_bytes": _rss_split(),
+            "model_runner": f"V2 ({type(runner).__name__})",
+            **stats,
+        }
     mrope_columns = {
         _external_id(req_id): int(state.mrope_positions.shape[1])
         for req_id, state in runner.requests.items()
@@ -91,6 +96,7 @@ def _worker_stats(worker: Any) -> dict[str, Any]:
     return {
         "rss_bytes": _rss_bytes(),
         "rss_split_bytes": _rss_split(),
+        "model_runner": f"V1 ({type(runner).__name__})",
         "encoder_cache_entries": len(runner.encoder_cache),
         "num_requests": len(runner.requests),
         "mrope_columns_by_request": mrope_columns,

@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from retention.records import SessionReport
+from retention.selfcheck import TEXT_TOLERANCE, dense_logprobs
+from retention.selfcheck import masked_logprobs as masked_logprobs
 
-TOLERANCE = 2e-3
+TOLERANCE = TEXT_TOLERANCE
 TOP_K = 5
 
 
@@ -26,12 +28,7 @@ def note_worst_delta(test: str, worst: float) -> None:
     print(f"\nWORST-DELTA {test} runner={RUNNER} {worst:.3e}")
 
 
-def hf_logprobs(model: Any, token_ids: list[int], positions: list[int]) -> Any:
-    import torch
-
-    with torch.no_grad():
-        out = model(input_ids=torch.tensor([token_ids]), position_ids=torch.tensor([positions]))
-    return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+hf_logprobs = dense_logprobs
 
 
 class Session:
@@ -93,23 +90,6 @@ class Session:
 def chunk_tokens(tokenizer: Any, i: int) -> list[int]:
     text = f"Note {i}: the river carried {i % 7} boats past the old mill at dawn."
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def masked_logprobs(model: Any, tokens: list[int], visible: list[list[int]]) -> Any:
-    """Dense forward over all tokens at positions 0..n-1; token j attends to `visible[j]`."""
-    import torch
-
-    n = len(tokens)
-    mask = torch.full((1, 1, n, n), float("-inf"))
-    for j, seen in enumerate(visible):
-        mask[0, 0, j, seen] = 0.0
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor([tokens]),
-            position_ids=torch.arange(n)[None],
-            attention_mask=mask,
-        )
-    return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
 
 PROBE_TOLERANCE = 1e-4

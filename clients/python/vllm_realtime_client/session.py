@@ -52,7 +52,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
 
-from vllm_realtime_client import recovery
+import vllm_realtime_client.recovery as recovery
 from vllm_realtime_client.errors import (
     ConnectError,
     ConnectionLost,
