@@ -72,7 +72,8 @@ class Lifecycle:
 class Drainable(Protocol):
     """What `drain` needs of a WebSocket connection (realtime.server.Connection)."""
 
-    closed: bool
+    @property
+    def closed(self) -> bool: ...
 
     async def begin_drain(self, seconds_left: float) -> None: ...
 

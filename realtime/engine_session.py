@@ -29,13 +29,15 @@ import dataclasses
 import io
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from realtime.media import decode_clip, decode_image
 from realtime.prompt_format import ChatFormat, ChatFormatError
+from realtime.structured import validate_format
 from retention.policy import (
     CHUNK_HEAD_KEY,
     CHUNK_KIND_KEY,
@@ -89,21 +91,31 @@ class EngineFacts:
     model_path: str
     processor_config: dict[str, Any]
     """The model's (pre)processor config ({} if none): its max pixels bound a frame's tokens."""
+    frame_pad_ids: dict[str, int] | None = None
+    """The model's placeholder token per frame kind, where its video sessions can be stored
+    (`storable_frames`); None: text only, or frames a rebuild cannot pass again."""
+    kv_cache_memory_bytes: int | None = None
+    """`--kv-cache-memory-bytes` as the engine took it (None: sized from GPU/CPU memory)."""
 
     @classmethod
     def of(cls, engine: Any) -> EngineFacts:
         from retention.vllm_adapter.session_scheduler import model_max_position
 
         model_config = engine.model_config
-        scheduler_config = getattr(getattr(engine, "vllm_config", None), "scheduler_config", None)
+        vllm_config = getattr(engine, "vllm_config", None)
+        scheduler_config = getattr(vllm_config, "scheduler_config", None)
+        cache_config = getattr(vllm_config, "cache_config", None)
         model_path = str(model_config.model)
+        multimodal = bool(model_config.is_multimodal_model)
         return cls(
             max_model_len=int(model_config.max_model_len),
-            multimodal=bool(model_config.is_multimodal_model),
+            multimodal=multimodal,
             max_position=model_max_position(model_config),
             engine_slots=getattr(scheduler_config, "max_num_seqs", None),
             model_path=model_path,
             processor_config=read_processor_config(model_path),
+            frame_pad_ids=storable_frames(engine) if multimodal else None,
+            kv_cache_memory_bytes=getattr(cache_config, "kv_cache_memory_bytes", None) or None,
         )
 
 
@@ -172,6 +184,49 @@ class ChunkFinished:
     ttft_ms: float | None
     total_ms: float
     report: SessionReport | None = None
+
+
+@dataclass(frozen=True)
+class ChunkWriting:
+    """How this server writes a chunk's prompt: the model's chat format, whether it takes
+    frames, and the tokens of the turn close that a chunk after an answered one starts with."""
+
+    chat: ChatFormat
+    multimodal: bool
+    reply_close_tokens: int
+
+    @classmethod
+    def of(cls, chat: ChatFormat, tokenizer: Any, *, multimodal: bool) -> ChunkWriting:
+        close = (
+            len(tokenizer.encode(chat.assistant_close, add_special_tokens=False))
+            if tokenizer is not None
+            else 0
+        )
+        return cls(chat, multimodal, close)
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """A session's frame cap (pixels), and the processor kwargs that tell vLLM the same cap."""
+
+    max_frame_pixels: int | None = None
+    processor_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One chunk's run: its text, the engine's ChunkFinished (None when it failed), the frame's
+    resize, the milliseconds before it reached the engine, and the error that failed it."""
+
+    text: str
+    finished: ChunkFinished | None
+    resized: FrameResize | None
+    queue_ms: float
+    error: RealtimeError | None = None
+
+
+ChunkMeter = Callable[[], AbstractContextManager[Callable[[ChunkFinished], None]]]
+"""Wraps one chunk's time in the engine; what it yields is told the chunk's ChunkFinished."""
 
 
 def load_chat_template(chat_template: str) -> str:
@@ -499,6 +554,76 @@ class EngineSession:
             params.logprobs = None
         return params
 
+    async def run_turn(
+        self,
+        frame: Frame,
+        config: SessionConfig,
+        writing: ChunkWriting,
+        *,
+        frames: FrameLimits | None = None,
+        on_delta: Callable[[str], Awaitable[None]] | None = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
+        meter: ChunkMeter | None = None,
+        reply_tokens: int | None = None,
+    ) -> TurnResult:
+        """Run one accepted chunk: its sampling params, its prompt (`render_chunk`, in a
+        thread), `check(prompt)` (the caller's caps), then the engine; each delta's text goes to
+        `on_delta`. A protocol error (a refused format or prompt, the engine failing) is the
+        result's `error`, not raised. `reply_tokens`: a fixed reply length (calibration)."""
+        started = time.perf_counter()
+        parts: list[str] = []
+        resized: FrameResize | None = None
+        finished: ChunkFinished | None = None
+        queue_ms = 0.0
+        try:
+            params = self._turn_params(frame, config, writing)
+            if reply_tokens is not None:
+                params.max_tokens = params.min_tokens = reply_tokens
+            limits = frames or FrameLimits()
+            prompt = await asyncio.to_thread(
+                render_chunk,
+                frame,
+                config,
+                chat=writing.chat,
+                first=self.chunks == 0,
+                multimodal=writing.multimodal,
+                after_reply=self.turn_open,
+                max_frame_pixels=limits.max_frame_pixels,
+                processor_kwargs=limits.processor_kwargs,
+            )
+            resized = prompt.pop(RESIZED_KEY, None)
+            if check is not None:
+                check(prompt)
+            queue_ms = (time.perf_counter() - started) * 1e3
+            with meter() if meter is not None else contextlib.nullcontext(None) as observe:
+                async for item in self.run_chunk(prompt, params, reply=frame.reply):
+                    if isinstance(item, ChunkDelta):
+                        parts.append(item.text)
+                        if on_delta is not None:
+                            await on_delta(item.text)
+                    else:
+                        finished = item
+                        if observe is not None:
+                            observe(item)
+        except RealtimeError as exc:
+            return TurnResult("".join(parts), None, resized, queue_ms, exc)
+        return TurnResult("".join(parts), finished, resized, queue_ms)
+
+    def _turn_params(self, frame: Frame, config: SessionConfig, writing: ChunkWriting) -> Any:
+        """This chunk's SamplingParams: an ingested chunk samples one (dropped) token; an
+        answered one takes its own response_format, else the session's (checked at open)."""
+        # With retention.text_window_tokens: a question or text turn that is answered, and its
+        # reply, are text; frames and every ingested chunk (watched) follow the frame window.
+        kind = "text" if frame.kind == "text" and frame.reply else "frame"
+        head = writing.reply_close_tokens if self.turn_open else 0
+        if not frame.reply:
+            return self.chunk_params(reply=False, kind=kind, head=head)
+        fmt = config.sampling.response_format
+        if frame.response_format is not None:
+            fmt = frame.response_format
+            validate_format(fmt, "frame.append.response_format")
+        return self.chunk_params(reply=True, response_format=fmt, kind=kind, head=head)
+
     async def _input_stream(self) -> AsyncIterator[Any]:
         # Never ends by itself: a session ends by abort (see `abort`), not by end of input.
         while True:
@@ -751,7 +876,7 @@ def storable_frames(engine: Any) -> dict[str, int] | None:
     retention/vllm_adapter/model_families.py); else None."""
     from retention.vllm_adapter.model_families import stores_frames as family_stores_frames
 
-    config = engine.model_config.hf_config
+    config = getattr(engine.model_config, "hf_config", None)
     if not family_stores_frames(getattr(config, "architectures", None)):
         return None
     image, video = getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)

@@ -1,8 +1,8 @@
 """The HTTP session adapter (`/v1/streaming/sessions`): a thin transport over the session hub.
 
 An HTTP session is a hub session with `transport="http"`: the same registry, admission and turn
-runner as a WebSocket session; the hub's `TurnOutcome.close_reason` decides, as for a socket,
-whether a failed turn ends the session. One request carries one frame; the response is that
+(`realtime.session.answer`) as a WebSocket session; the `TurnOutcome.close_reason` decides, as
+for a socket, whether a failed turn ends the session. One request carries one frame; the response is that
 frame's response.done.
 
 The routes read their bodies themselves (`read_body`: refused past the size limit before they
@@ -23,6 +23,7 @@ from pydantic.json_schema import models_json_schema
 
 from realtime.drain import Lifecycle
 from realtime.hub import SessionHub, SessionRecord
+from realtime.session import answer
 from realtime.web import dump, error_response, http_key, read_body, status_for
 from vllm_realtime_protocol import (
     ChunkInFlight,
@@ -176,7 +177,7 @@ def http_router(
                 raise ChunkInFlight("a chunk of this session is in flight")
             async with record.lock:
                 action = await _submitted_frame(request, record, prompt)
-                outcome = await hub.run_turn(record, action.frame)
+                outcome = await answer(hub, record, action.frame)
                 if outcome.error is None:
                     return JSONResponse(dump(outcome.done))
                 if outcome.close_reason is not None:

@@ -17,12 +17,13 @@ engine's time. A few chunks of each kind are measured at start-up, before anyone
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,16 +32,15 @@ from realtime.admission import Admission, Footprint, MediaBounds, media_bounds_o
 from realtime.compute import BUSY_CORES, ChunkCost, ChunkKind, ChunkTiming, CostModel
 from realtime.config import ServerConfig
 from realtime.engine_session import (
-    RESIZED_KEY,
-    ChunkDelta,
     ChunkFinished,
+    ChunkWriting,
     EngineFacts,
     EngineSession,
+    FrameLimits,
+    TurnResult,
     chat_format_of,
     kv_pool,
-    render_chunk,
     served_model_family,
-    storable_frames,
 )
 from realtime.media import MAX_CLIP_FRAMES, decode_clip, decode_image
 from realtime.metrics import Metrics
@@ -169,6 +169,8 @@ class SessionRecord:
     footprint: Footprint
     owner: str | None  # API key (or None) of whoever opened it; only they may act on it
     transport: Literal["websocket", "http"] = "websocket"
+    # The session's idle clock (the last client event, or a turn's start or end): kept here
+    # only, for every transport (realtime/session.py touches it for WebSocket sessions).
     last_activity: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     bounded: bool = False
@@ -188,6 +190,21 @@ def key_matches(expected: str | None, given: str | None) -> bool:
     if expected is None:
         return True
     return given is not None and hmac.compare_digest(expected.encode(), given.encode())
+
+
+@dataclass(frozen=True)
+class TurnReport:
+    """What one turn's run left for its response.done (the session layer, realtime/session.py,
+    turns it into that event through the protocol machine), and the error that failed it."""
+
+    status: ResponseStatus
+    text: str
+    status_reason: str | None
+    usage: Usage
+    timing: Timing
+    retention: RetentionState
+    resized: FrameResize | None
+    error: RealtimeError | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +234,7 @@ class SessionHub:
         self.healthy = True
         self.engine_failure: str | None = None
         facts = EngineFacts.of(engine)
+        self.facts = facts
         self.max_model_len = facts.max_model_len
         self.multimodal = facts.multimodal
         # Set by start() from the engine's KV pool.
@@ -234,7 +252,7 @@ class SessionHub:
             else None
         )
         self.tokenizer: Any = None
-        self._reply_close_tokens: int | None = None
+        self._writing: ChunkWriting | None = None
         self.engine_slots = facts.engine_slots
         self._admission: Admission | None = None  # set by start(), with the KV pool
         self._chat: ChatFormat | None = None  # set by start(), from the model's chat template
@@ -268,7 +286,7 @@ class SessionHub:
         # reason (retention/vllm_adapter/model_families.py), before anything is served.
         family, positions = served_model_family(self.engine)
         log.info("model family: %s (%s positions)", family, positions)
-        self.pad_ids = storable_frames(self.engine) if self.multimodal else None
+        self.pad_ids = self.facts.frame_pad_ids
         if self.config.session_store is not None and self.store is None:
             replica = f"{socket.gethostname()}:{self.config.port}:{secrets.token_hex(4)}"
             self.store = SessionStore.connect(self.config.session_store, replica)
@@ -296,10 +314,8 @@ class SessionHub:
         self._chat = chat_format_of(self.engine, self.config.chat_template)
         self.metrics.kv_blocks_total.set(self.usable_blocks)
         self.metrics.kv_block_size.set(self.block_size)
-        cache = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
-        kv_bytes = getattr(cache, "kv_cache_memory_bytes", None)
-        if kv_bytes:
-            self.metrics.kv_pool_bytes.set(kv_bytes)
+        if self.facts.kv_cache_memory_bytes:
+            self.metrics.kv_pool_bytes.set(self.facts.kv_cache_memory_bytes)
         default = SessionConfig(modality="video" if self.multimodal else "text")
         fp = self.admission.admit(default, instructions_tokens=0).footprint
         fit = self.usable_blocks // max(fp.blocks, 1)
@@ -377,7 +393,7 @@ class SessionHub:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _instructions_tokens(self, config: SessionConfig) -> int:
-        # The opening as render_chunk writes it: the system turn, else the template's preamble.
+        # The opening as a first chunk writes it: the system turn, else the template's preamble.
         opening = self.chat.opening(config.instructions)
         if not opening:
             return 0
@@ -571,61 +587,45 @@ class SessionHub:
         *,
         on_delta: Callable[[ResponseTextDeltaEvent], Awaitable[None]] | None = None,
         cancelled: asyncio.Event | None = None,
-    ) -> TurnOutcome:
-        """Run one accepted chunk: its deltas go to `on_delta` as they come; the outcome holds
-        its one response.done and the error that failed it, if any."""
-        proto = record.protocol
-        config = proto.config
+    ) -> TurnReport:
+        """Run one accepted chunk: its deltas go to `on_delta` as they come (until `cancelled`);
+        the report holds what its response.done says and the error that failed it, if any."""
+        config = record.protocol.config
         assert config is not None
-        es = record.engine_session
         record.last_activity = time.monotonic()
         started = time.perf_counter()
-        text_parts: list[str] = []
+
+        async def delta(text: str) -> None:
+            if on_delta is not None and (cancelled is None or not cancelled.is_set()):
+                await on_delta(ResponseTextDeltaEvent(frame_index=frame.frame_index, delta=text))
+
+        result = await self._run_chunk(
+            record.engine_session,
+            frame,
+            config,
+            on_delta=delta,
+            check=lambda prompt: self.check_chunk(record, frame, prompt),
+        )
         status: ResponseStatus = "completed"
         reason: str | None = None
         usage = Usage()
         timing = Timing()
-        error: RealtimeError | None = None
-        resized: FrameResize | None = None
-        try:
-            params = self.chunk_params(es, config, frame)
-            prompt = await asyncio.to_thread(
-                render_chunk,
-                frame,
-                config,
-                chat=self.chat,
-                first=es.chunks == 0,
-                multimodal=self.multimodal,
-                after_reply=es.turn_open,
-                max_frame_pixels=self.admission.frame_cap(config),
-                processor_kwargs=self.admission.frame_processor_kwargs(config),
+        item = result.finished
+        if item is not None:
+            usage = Usage(
+                prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens
             )
-            resized = prompt.pop(RESIZED_KEY, None)
-            self.check_chunk(record, frame, prompt)
-            queue_ms = (time.perf_counter() - started) * 1e3
-            async for item in self._measured(es, prompt, params, frame):
-                if isinstance(item, ChunkDelta):
-                    text_parts.append(item.text)
-                    if on_delta is not None and (cancelled is None or not cancelled.is_set()):
-                        await on_delta(
-                            ResponseTextDeltaEvent(frame_index=frame.frame_index, delta=item.text)
-                        )
-                elif isinstance(item, ChunkFinished):
-                    usage = Usage(
-                        prompt_tokens=item.prompt_tokens, completion_tokens=item.completion_tokens
-                    )
-                    timing = Timing(queue_ms=queue_ms, ttft_ms=item.ttft_ms, total_ms=item.total_ms)
-                    if not frame.reply:
-                        status = "ingested"
-                    elif item.finish_reason == "length":
-                        status, reason = "incomplete", "max_tokens"
-            if cancelled is not None and cancelled.is_set():
-                status, reason = "cancelled", "client_cancelled"
-        except RealtimeError as exc:
-            status, reason = "failed", exc.code
-            if isinstance(exc, EngineError):
+            timing = Timing(queue_ms=result.queue_ms, ttft_ms=item.ttft_ms, total_ms=item.total_ms)
+            if not frame.reply:
+                status = "ingested"
+            elif item.finish_reason == "length":
+                status, reason = "incomplete", "max_tokens"
+        if result.error is None and cancelled is not None and cancelled.is_set():
+            status, reason = "cancelled", "client_cancelled"
+        if result.error is not None:
+            status, reason = "failed", result.error.code
+            if isinstance(result.error, EngineError):
                 self.metrics.engine_errors.inc()
-            error = exc
         retention = self.retention_state(record)
         total_ms = (time.perf_counter() - started) * 1e3
         if timing.total_ms is None:
@@ -633,16 +633,38 @@ class SessionHub:
         self.metrics.frames.inc()
         self.metrics.frame_latency.observe(total_ms / 1e3)
         record.last_activity = time.monotonic()
-        done = proto.response_finished(
-            status,
-            text="".join(text_parts),
-            status_reason=reason,
-            usage=usage,
-            timing=timing,
-            retention=retention,
-            resized=resized,
+        return TurnReport(
+            status, result.text, reason, usage, timing, retention, result.resized, result.error
         )
-        return TurnOutcome(done, error)
+
+    async def _run_chunk(
+        self,
+        es: EngineSession,
+        frame: Frame,
+        config: SessionConfig,
+        *,
+        on_delta: Callable[[str], Awaitable[None]] | None = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
+        measure: bool = True,
+        reply_tokens: int | None = None,
+    ) -> TurnResult:
+        """One chunk through `es.run_turn`, for a session's turn and a calibration alike: the
+        frame cap of `config` (a calibration session's is the server's), and the chunk's cost
+        into `self.costs` if it ran alone."""
+        frames = FrameLimits(
+            self.admission.frame_cap(config), self.admission.frame_processor_kwargs(config)
+        )
+        kind: ChunkKind = "text" if frame.kind == "text" else "frame"
+        return await es.run_turn(
+            frame,
+            config,
+            self.writing,
+            frames=frames,
+            on_delta=on_delta,
+            check=check,
+            meter=lambda: self._metered(kind, measure=measure),
+            reply_tokens=reply_tokens,
+        )
 
     async def measure_chunk_costs(self) -> None:
         """Measure what a chunk of each kind costs, on a session of the server's own, before
@@ -700,22 +722,17 @@ class SessionHub:
         try:
             first = 0 if warm_up else 1
             for i in range(first, CALIBRATION_CHUNKS + 1):
-                frame = calibration_frame(kind, i)
-                params = self.chunk_params(es, config, frame)
-                # A fixed reply length: the inter-token step needs two tokens or more.
-                params.max_tokens = params.min_tokens = CALIBRATION_REPLY_TOKENS
-                prompt = await asyncio.to_thread(
-                    render_chunk,
-                    frame,
+                # A fixed reply length: the inter-token step needs two tokens or more. The
+                # first chunk warms the engine up and is not measured.
+                result = await self._run_chunk(
+                    es,
+                    calibration_frame(kind, i),
                     config,
-                    chat=self.chat,
-                    first=es.chunks == 0,
-                    multimodal=self.multimodal,
-                    after_reply=es.turn_open,
+                    measure=i > 0,
+                    reply_tokens=CALIBRATION_REPLY_TOKENS,
                 )
-                # The first chunk warms the engine up and is not measured.
-                async for _ in self._measured(es, prompt, params, frame, measure=i > 0):
-                    pass
+                if result.error is not None:
+                    raise result.error
         finally:
             await es.abort()
         after = _cpu_seconds()
@@ -723,61 +740,39 @@ class SessionHub:
             return 0.0
         return other_cpu_cores(after[1] - before[1], after[2] - before[2], after[0] - before[0])
 
-    async def _measured(
-        self,
-        es: EngineSession,
-        prompt: dict[str, Any],
-        params: Any,
-        frame: Frame,
-        *,
-        measure: bool = True,
-    ) -> AsyncIterator[ChunkDelta | ChunkFinished]:
-        """`es.run_chunk`, and the chunk's cost into `self.costs` if it ran alone."""
+    @contextlib.contextmanager
+    def _metered(
+        self, kind: ChunkKind, *, measure: bool = True
+    ) -> Iterator[Callable[[ChunkFinished], None]]:
+        """Around one chunk's time in the engine: its cost goes into `self.costs` if it ran
+        alone (no other chunk in the engine beside it, from its start to its end)."""
         alone = self._in_flight == 0
         self._in_flight += 1
         self._turns_started += 1
         started_as = self._turns_started
+
+        def observe(item: ChunkFinished) -> None:
+            ran_alone = alone and self._turns_started == started_as
+            if measure and ran_alone and item.ttft_ms is not None:
+                timing = ChunkTiming(
+                    ttft_ms=item.ttft_ms,
+                    total_ms=item.total_ms,
+                    prompt_tokens=item.prompt_tokens,
+                    completion_tokens=item.completion_tokens,
+                )
+                self.costs.observe(kind, timing)
+
         try:
-            async for item in es.run_chunk(prompt, params, reply=frame.reply):
-                if isinstance(item, ChunkFinished):
-                    alone = alone and self._turns_started == started_as
-                    if measure and alone and item.ttft_ms is not None:
-                        kind: ChunkKind = "text" if frame.kind == "text" else "frame"
-                        timing = ChunkTiming(
-                            ttft_ms=item.ttft_ms,
-                            total_ms=item.total_ms,
-                            prompt_tokens=item.prompt_tokens,
-                            completion_tokens=item.completion_tokens,
-                        )
-                        self.costs.observe(kind, timing)
-                yield item
+            yield observe
         finally:
             self._in_flight -= 1
 
-    def reply_close_tokens(self) -> int:
-        """Tokens of the turn close a chunk after an answered one starts with."""
-        if self._reply_close_tokens is None:
-            self._reply_close_tokens = (
-                len(self.tokenizer.encode(self.chat.assistant_close, add_special_tokens=False))
-                if self.tokenizer is not None
-                else 0
-            )
-        return self._reply_close_tokens
-
-    def chunk_params(self, es: EngineSession, config: SessionConfig, frame: Frame) -> Any:
-        """This chunk's SamplingParams: an ingested chunk samples one (dropped) token; an answered
-        one takes its own response_format, else the session's (checked at session.open)."""
-        # With retention.text_window_tokens: a question or text turn that is answered, and its
-        # reply, are text; frames and every ingested chunk (watched) follow the frame window.
-        kind = "text" if frame.kind == "text" and frame.reply else "frame"
-        head = self.reply_close_tokens() if es.turn_open else 0
-        if not frame.reply:
-            return es.chunk_params(reply=False, kind=kind, head=head)
-        fmt = config.sampling.response_format
-        if frame.response_format is not None:
-            fmt = frame.response_format
-            validate_format(fmt, "frame.append.response_format")
-        return es.chunk_params(reply=True, response_format=fmt, kind=kind, head=head)
+    @property
+    def writing(self) -> ChunkWriting:
+        """How this server writes chunks (its chat format, and the reply close's tokens)."""
+        if self._writing is None:
+            self._writing = ChunkWriting.of(self.chat, self.tokenizer, multimodal=self.multimodal)
+        return self._writing
 
     def retention_state(self, record: SessionRecord) -> RetentionState:
         """The session's state for response.done, from EngineCore's last report (it rides on

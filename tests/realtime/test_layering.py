@@ -29,3 +29,23 @@ def test_no_vllm_import(module: str) -> None:
         if name.split(".")[0] == "vllm" or name.startswith("retention.vllm_adapter")
     }
     assert not vllm, f"realtime/{module} imports {sorted(vllm)}"
+
+
+def test_the_hub_builds_no_sampling_params() -> None:
+    """Sampling params, chunk prompts and token ids are the engine session's: the hub names
+    none of them (one call per turn, `EngineSession.run_turn`)."""
+    source = (REALTIME / "hub.py").read_text()
+    for name in ("SamplingParams", "chunk_params", "render_chunk", "max_tokens =", "hf_config"):
+        assert name not in source, f"realtime/hub.py names {name}"
+    imported = imported_modules(REALTIME / "hub.py")
+    assert "vllm.sampling_params" not in imported and "retention.policy" not in imported
+
+
+def test_response_finished_is_called_from_the_session_layer_only() -> None:
+    """The protocol machine's end of a turn is driven from one place, realtime/session.py."""
+    callers = sorted(
+        path.name
+        for path in REALTIME.glob("*.py")
+        if "response_finished(" in path.read_text() and path.name != "session.py"
+    )
+    assert not callers, f"response_finished is called from {callers}"
