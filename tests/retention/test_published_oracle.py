@@ -15,8 +15,8 @@ import pytest
 
 from realtime.media import DEFAULT_MAX_FRAME_PIXELS
 from tests.conftest import engine_settings
+from tests.published_layouts import published_checkpoint
 from tests.retention.vlm_oracle import Media, drive_and_check, wait_all_blocks_free
-from tests.test_published_checkpoints import published_checkpoint
 
 pytestmark = pytest.mark.slow
 
