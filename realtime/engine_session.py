@@ -712,6 +712,7 @@ class EngineSession:
         turn_open: bool,
         media: Mapping[int, tuple[str, Any]] | None = None,
         pad_ids: Mapping[str, int] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> int:
         """Rebuild this (new) session from another replica's snapshot: one chunk whose prompt
         is the held tokens, prefilled at 0..n-1 in a consolidation's pieces; the engine
@@ -736,6 +737,10 @@ class EngineSession:
             prompt = dict(TokensPrompt(prompt_token_ids=ids))
             if mm:
                 prompt["multi_modal_data"] = mm
+                if processor_kwargs:
+                    # The session's frame cap, told to the processor as the live chunks told
+                    # it: the frames re-expand to the tokens the record holds.
+                    prompt["mm_processor_kwargs"] = processor_kwargs
         else:
             prompt = dict(TokensPrompt(prompt_token_ids=list(snapshot.token_ids)))
         params = self.chunk_params(reply=False)

@@ -514,6 +514,7 @@ class SessionHub:
                     turn_open=stored.turn_open,
                     media=media,
                     pad_ids=self.pad_ids,
+                    processor_kwargs=self.admission.frame_processor_kwargs(stored.config),
                 )
         except BaseException:
             await self.close_session(record)

@@ -27,89 +27,36 @@ from realtime.engine_session import read_processor_config
 from realtime.media import DEFAULT_MAX_FRAME_PIXELS, fit_size
 from realtime.models import build_model
 from realtime.prompt_format import ChatFormat
-from tests.published_checkpoints import FAMILIES, PUBLISHED
+from tests.published_layouts import (
+    PUBLISHED,
+    compare_prompt,
+    published_template,
+    template_format,
+    tokenizer,
+)
 
 FRAMES = [(224, 224), (640, 480), (1280, 720)]
 
 
-def _template(family: str) -> str:
-    return (PUBLISHED / "templates" / FAMILIES[family][1]).read_text()
-
-
-def _tokenizer(name: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(build_model(name)))
-
-
-def _format(tok: Any, template: str) -> tuple[ChatFormat, Any]:
-    def render(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return str(
-            tok.apply_chat_template(
-                messages,
-                chat_template=template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
-        )
-
-    return ChatFormat.from_template(render), render
-
-
-def _parts(text: str) -> list[dict[str, Any]]:
-    return [{"type": "text", "text": text}]
-
-
 @pytest.mark.parametrize("instructions", [None, "Describe each frame."])
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "smolvlm", "smollm2"])
+@pytest.mark.parametrize(
+    "family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "smolvlm", "smolvlm2", "smollm2"]
+)
 def test_the_prompt_equals_the_templates_own(family: str, instructions: str | None) -> None:
     """system + frame + reply + frame, as the server writes it (each chunk tokenized on its
     own, as the engine gets it), against `apply_chat_template` of the same conversation."""
-    if family == "smollm2":  # a text model: its own template (from the GGUF), text turns
-        tok = _tokenizer("smollm2-135m-instruct")
-        template = tok.chat_template
-        media = None
-    else:
-        tok = _tokenizer(FAMILIES[family][0])
-        template = _template(family)
-        media = "image"
-    chat, render = _format(tok, template)
-    reply = "a red square"
-    # The reply fills the generation prompt: SmolVLM's is `Assistant:` and a past reply's
-    # opening `Assistant: `, so the model writes the space itself.
-    generated = (" " if family == "smolvlm" else "") + reply
-    first = chat.chunk(
-        "what is this?", media=media, instructions=instructions, first=True, reply=True
-    )
-    second = chat.chunk("and now?", media=media, close_reply=True, reply=True)
-
-    def user(text: str) -> dict[str, Any]:
-        content = ([{"type": "image"}] if media else []) + _parts(text)
-        return {"role": "user", "content": content}
-
-    messages = [
-        *([{"role": "system", "content": _parts(instructions)}] if instructions else []),
-        user("what is this?"),
-        {"role": "assistant", "content": _parts(reply)},
-        user("and now?"),
-    ]
-    if family == "smollm2":
-        messages = [{**m, "content": m["content"][-1]["text"]} for m in messages]
-    expected = render(messages, True)
-    assert first + generated + second == expected
-
-    def ids(text: str) -> list[int]:
-        return list(tok.encode(text, add_special_tokens=False))
-
-    assert ids(first) + ids(generated) + ids(second) == ids(expected)
+    compared = compare_prompt(family, instructions)
+    assert compared.ours == compared.templates
+    assert compared.our_ids == compared.template_ids
     if instructions is None and family != "qwen3-vl":
         # The template's default system turn (Qwen2-VL's "You are a helpful assistant.",
         # SmolLM2's own) or its conversation opening (SmolVLM's one `<|im_start|>`).
-        assert chat.preamble and expected.startswith(chat.preamble)
+        chat = compared.chat
+        assert chat.preamble and compared.templates.startswith(chat.preamble)
 
 
 def test_the_smolvlm_template_splits() -> None:
-    chat, _ = _format(_tokenizer("tiny-smolvlm"), _template("smolvlm"))
+    chat, _ = template_format(tokenizer("tiny-smolvlm"), published_template("smolvlm"))
     assert chat == ChatFormat(
         system_open="<|im_start|>System: ",
         system_close="<end_of_utterance>\n",
@@ -149,6 +96,7 @@ def _smolvlm_tokens(config: dict[str, Any], size: tuple[int, int], cap: int | No
     image_config = config["image_processor"]
     kwargs = {k: v for k, v in image_config.items() if not k.endswith("_type")}
     kwargs.pop("processor_class", None)
+    kwargs.pop("video_sampling", None)  # SmolVLM2's clip sampling: its video processor's
     processor = SmolVLMImageProcessor(**kwargs)
     w, h = fit_size(*size, cap)
     image = np.zeros((h, w, 3), dtype=np.uint8)
@@ -185,8 +133,11 @@ def test_a_qwen_frame_reserves_what_the_processor_makes_under_the_cap(family: st
     assert bounds.clip_frame_tokens <= 2 * _qwen_tokens(image, (640, 480), cap)
 
 
-def test_smolvlm_caps_come_from_the_preprocessor_config() -> None:
-    config = read_processor_config(str(PUBLISHED / "smolvlm"))
+@pytest.mark.parametrize("family", ["smolvlm", "smolvlm2"])
+def test_smolvlm_caps_come_from_the_preprocessor_config(family: str) -> None:
+    """SmolVLM-256M's layout and SmolVLM2-256M/500M-Video's (the same tiles and edge; its
+    preprocessor config also carries the clip sampling, `video_sampling`)."""
+    config = read_processor_config(str(PUBLISHED / family))
     assert config["image_seq_len"] == 64 and config["image_processor"]["size"]
     uncapped = media_bounds(config)
     assert uncapped is not None
@@ -211,7 +162,7 @@ def test_smolvlm_caps_come_from_the_preprocessor_config() -> None:
             <= 2 * max(_smolvlm_tokens(config, size, cap), 1)
         ), size
     # The old read took processor_config.json alone: no sizes, the 1,024-token default.
-    only = json.loads((PUBLISHED / "smolvlm" / "processor_config.json").read_text())
+    only = json.loads((PUBLISHED / family / "processor_config.json").read_text())
     assert media_bounds(only) is None
 
 
@@ -240,10 +191,70 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
     from realtime.engine_session import load_chat_template
     from realtime.prompt_format import ChatFormatError
 
-    template = _template("smolvlm")
+    template = published_template("smolvlm")
     path = tmp_path / "t.jinja"
     path.write_text(template)
     assert load_chat_template(str(path)) == template
     assert load_chat_template(template) == template  # vLLM's flag takes either
     with pytest.raises(ChatFormatError, match="no such file"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def _qwen_clip_grid(family: str, frames: int, size: tuple[int, int], cap: int) -> list[int]:
+    """The published video processor's own grid (t, h, w) for a clip of `frames` frames of
+    `size`, decoded as the server decodes a clip (each frame resized to the cap) and the
+    processor told the cap as the server tells it (`mm_processor_kwargs`, the images' and the
+    clips' alike)."""
+    import numpy as np
+    from transformers import AutoVideoProcessor
+
+    from realtime.media import decode_clip
+    from tests.reliability.fuzzcore import _clip
+
+    layout = PUBLISHED / family
+    config = read_processor_config(str(layout))
+    processor = AutoVideoProcessor.from_pretrained(str(layout))
+    data = _clip("mp4", "mpeg4", frames=frames, size=size[0])
+    clip, metadata = decode_clip(data, max_frame_pixels=cap)
+    assert clip.shape[0] == frames and clip.shape[1] * clip.shape[2] <= cap
+    over = processor_kwargs(config, cap) or {}
+    # The metadata as vLLM hands it to the processor: its own sampling flag kept apart.
+    fields = {k: v for k, v in metadata.items() if k != "do_sample_frames"}
+    out = processor(
+        videos=[clip], video_metadata=[fields], do_sample_frames=False, return_tensors="np", **over
+    )
+    return [int(v) for v in np.asarray(out["video_grid_thw"][0])]
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_a_clip_reserves_what_the_published_video_processor_makes(family: str) -> None:
+    """A clip through the published video processor config (Qwen3-VL's own
+    video_preprocessor_config.json, 25 megapixels; Qwen2-VL's and Qwen2.5-VL's shared one) at
+    the default frame cap: its tokens per temporal step are within the reservation, and
+    the reservation bounds them. The tokens of a clip are what the server's prompt expands (its grid)."""
+    config = read_processor_config(str(PUBLISHED / family))
+    cap = DEFAULT_MAX_FRAME_PIXELS
+    bounds = media_bounds(config, cap)
+    assert bounds is not None
+    merge = int(config["video_processor"]["merge_size"]) ** 2
+    steps = {}
+    for frames, side in [(4, 640), (2, 448), (2, 224)]:
+        t, h, w = _qwen_clip_grid(family, frames, (side, side), cap)
+        assert t == frames // bounds.temporal_patch, (t, frames)
+        steps[side] = h * w // merge
+        assert steps[side] <= bounds.clip_frame_tokens, (family, side, steps, bounds)
+        assert bounds.clip_tokens(frames) >= t * steps[side]
+    # Not within 2×: Qwen3-VL's video processor spreads its pixel budget over the clip's
+    # frames (a 640-px clip of 4 frames is 49 tokens a step against 196 reserved).
+
+
+def test_the_docs_table_is_what_the_command_prints() -> None:
+    """docs/published-checkpoints.md holds `python -m tests.published_layouts`'s table: every
+    published VLM layout bounded at the default cap, every prompt the template's."""
+    from tests.published_layouts import table, table_rows
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "published-checkpoints.md").read_text()
+    assert table() in page
+    for row in table_rows():
+        assert row[1].startswith("yes") and "whole context" not in row[4], row
+        assert row[5] == "yes / yes", row

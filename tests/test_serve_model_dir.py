@@ -108,7 +108,7 @@ async def test_a_published_qwen_layout_serves_bounded_camera_sessions(
     from realtime.admission import media_bounds
     from realtime.engine_session import read_processor_config
     from realtime.media import DEFAULT_MAX_FRAME_PIXELS, fit_size
-    from tests.published_checkpoints import published_checkpoint
+    from tests.published_layouts import published_checkpoint
 
     checkpoint = published_checkpoint(family, tmp_path)
     bounds = media_bounds(read_processor_config(str(checkpoint)), DEFAULT_MAX_FRAME_PIXELS)
@@ -169,7 +169,7 @@ async def test_the_published_smolvlm_template_is_served_with_chat_template(tmp_p
     `--chat-template FILE` it is served, its prompt as the template writes it. A frame cap of
     32×32 tells the processor a 32-px edge: one tile, the global image alone (7 tokens, not
     the 34 of 2×2 tiles)."""
-    from tests.published_checkpoints import PUBLISHED
+    from tests.published_layouts import PUBLISHED
 
     checkpoint = tmp_path / "my-smolvlm"
     shutil.copytree(build_model("tiny-smolvlm"), checkpoint)
@@ -202,14 +202,18 @@ async def test_the_published_smolvlm_template_is_served_with_chat_template(tmp_p
                 assert done["usage"]["prompt_tokens"] < 30, done["usage"]
 
 
-async def test_a_published_smolvlm_256m_layout_is_served_end_to_end(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["smolvlm", "smolvlm2"])
+async def test_a_published_smolvlm_256m_layout_is_served_end_to_end(
+    tmp_path: Path, family: str
+) -> None:
     """SmolVLM-256M-Instruct's layout (its template, preprocessor_config.json with 512-px
     tiles and a 2,048-px edge, processor_config.json with `image_seq_len` 64 alone) on a tiny
     model of its geometry, with no flag but the pool: it starts, the caps come from the right
     file, and a default camera session is bounded at one tile a frame (the default cap)."""
-    from tests.published_checkpoints import published_smolvlm_256m
+    from tests.published_layouts import published_smolvlm
 
-    checkpoint = published_smolvlm_256m(tmp_path)
+    # SmolVLM2-256M/500M-Video's layout: the same tiles, its clip sampling in the same file.
+    checkpoint = published_smolvlm(tmp_path, family)
     async with served("--model", str(checkpoint), *SMALL_POOL) as port:
         url = f"ws://127.0.0.1:{port}/v1/realtime"
         async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:

@@ -15,7 +15,7 @@ import pytest
 
 from realtime.media import DEFAULT_MAX_FRAME_PIXELS
 from tests.conftest import engine_settings
-from tests.published_checkpoints import published_checkpoint
+from tests.published_layouts import published_checkpoint
 from tests.retention.vlm_oracle import Media, drive_and_check, wait_all_blocks_free
 
 pytestmark = pytest.mark.slow
