@@ -287,6 +287,10 @@ def prepare_process_env() -> None:
     # (retention/vllm_adapter/shm_prefault.py), so the worker's memory does not step up as
     # larger steps arrive; a larger step goes through vLLM's overflow socket instead.
     os.environ.setdefault("VLLM_MQ_MAX_CHUNK_BYTES_MB", str(PREFAULT_BYTES_PER_CHUNK >> 20))
+    from retention.vllm_adapter.quiet_start import quiet_start_warning_filters
+
+    # Python warnings the engine processes raise before any plugin of ours runs (quiet_start.py).
+    os.environ["PYTHONWARNINGS"] = quiet_start_warning_filters(os.environ.get("PYTHONWARNINGS", ""))
 
 
 def cpu_worker_threads() -> int:
@@ -453,6 +457,9 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
         kwargs["block_size"] = settings.block_size
     elif not platform.cuda:
         kwargs["block_size"] = CPU_DEFAULT_BLOCK_SIZE
+    if not platform.cuda:
+        # What vLLM's CPU platform would reset it to (with a warning) for its GDN backend.
+        kwargs["mamba_ssm_cache_dtype"] = "float32"
     if retention_on(settings) and v2_runner_requested(os.environ) and "worker_cls" not in extra:
         from retention.vllm_adapter.v2 import worker_cls_for
 

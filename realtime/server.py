@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,19 @@ from vllm_realtime_protocol import (
 )
 
 __all__ = ["Connection", "create_app", "redact_path", "run_server"]
+
+UVICORN_LEGACY_WS_DEPRECATION = "The `websockets` implementation is deprecated"
+
+
+def quiet_uvicorn_legacy_ws() -> None:
+    """uvicorn deprecates its own legacy `websockets` implementation when it imports it; serve
+    keeps that one until the sansio one is tested here, so the notice only says so again."""
+    warnings.filterwarnings(
+        "ignore",
+        message=UVICORN_LEGACY_WS_DEPRECATION,
+        module="uvicorn.protocols.websockets.websockets_impl",
+    )
+
 
 log = logging.getLogger("vllm_realtime")
 STATIC_DIR = Path(__file__).parent / "static"
@@ -362,6 +376,7 @@ def run_server(config: ServerConfig, settings: Any) -> int:
     from realtime.drain import DrainingServer
     from vllm_realtime_protocol import DEFAULT_MAX_EVENT_BYTES
 
+    quiet_uvicorn_legacy_ws()
     server = DrainingServer(
         uvicorn.Config(
             app,

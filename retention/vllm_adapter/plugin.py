@@ -99,6 +99,10 @@ def install_engine_process_hooks(introspection: bool) -> None:
 
     # One "Downcasting" line for a float32 model served in bf16, not a warning per weight.
     install_quiet_weight_loading()
+    from retention.vllm_adapter.quiet_start import install_quiet_start
+
+    # No warnings for serve's deliberate choices (eager, no Triton, our scheduler, ...).
+    install_quiet_start()
     if introspection:
         from retention.vllm_adapter.introspect import install_introspection
 
@@ -124,6 +128,10 @@ def install_front_end_hooks() -> None:
 
     # No AsyncLLM.__del__ traceback at exit: a shut-down engine is not shut down again.
     install_idempotent_shutdown()
+    from retention.vllm_adapter.quiet_start import install_quiet_start
+
+    # No warnings for serve's deliberate choices (eager, no Triton, our scheduler).
+    install_quiet_start()
 
 
 def _install_worker_hooks() -> None:
