@@ -46,9 +46,11 @@ page's session.open: window 4, max_tokens 8; one 224×224 JPEG offered a second,
 while the previous reply is in flight):
 
 1. **True capacity**, admission by compute off (`--compute-headroom 0`): 1, 2, 3, ... cameras,
-   a fresh set each level, until a level misses the SLO: p99 per frame within the period
-   (1 / fps) and at least 95% of the offered frames answered. The true capacity is the largest
-   level that met it.
+   a fresh set each level, until a level misses the SLO twice in a row (a miss is tried once
+   more: one stall of a shared machine must not end the search): p99 per frame within the
+   period (1 / fps) and at least 95% of the offered frames answered. The true capacity is the
+   largest level that met it. The first `--warmup` seconds of each level (5; cameras opening)
+   are not measured.
 2. **Admitted**, admission on (serve's default headroom, or `--headroom`): twice the true
    capacity of cameras (at least 2) open at once; reported: how many were admitted, their p99
    and answered share, and admitted / true capacity (target 0.8-1.0, inside the SLO).
@@ -324,6 +326,8 @@ async def _camera_client(
             await ws.send(json.dumps(event))
             while (done := await _recv(ws))["type"] not in ("response.done", "error"):
                 pass
+            if t0 < stats["counted_from"]:
+                return  # warm-up: the level's first seconds are not measured
             if done["type"] == "response.done" and done["status"] in ("completed", "incomplete"):
                 stats["latencies"].append(time.perf_counter() - t0)
                 stats["blocks"][id(ws)] = int(done["retention"]["kv_blocks_held"])
@@ -333,8 +337,10 @@ async def _camera_client(
         next_tick = time.perf_counter()
         while next_tick < stop:
             await asyncio.sleep(max(0.0, next_tick - time.perf_counter()))
+            counted = next_tick >= stats["counted_from"]
             next_tick += period
-            stats["offered"] += 1
+            if counted:
+                stats["offered"] += 1
             if busy is not None and not busy.done():
                 continue  # skipped: the previous frame's reply is still in flight
             busy = asyncio.create_task(one(frames[n % len(frames)]))
@@ -355,10 +361,15 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 async def _camera_level(url: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    warmup = getattr(args, "warmup", 0.0)
+    start = time.perf_counter()
     stats: dict[str, Any] = {
         "admitted": 0, "refused": [], "latencies": [], "offered": 0, "failed": 0, "blocks": {},
+        # The first frames of a level (cameras opening, staggered over a period) are not
+        # what the level sustains.
+        "counted_from": start + warmup,
     }  # fmt: skip
-    stop = time.perf_counter() + args.seconds
+    stop = start + warmup + args.seconds
     # Staggered within one period, as independent cameras are.
     clients = []
     for _ in range(n):
@@ -379,6 +390,7 @@ async def _camera_level(url: str, n: int, args: argparse.Namespace) -> dict[str,
         "answered": answered,
         "answered_share": round(answered / offered, 3) if offered else None,
         "failed": stats["failed"],
+        "warmup_s": warmup,
         "kv_blocks_held": sum(stats["blocks"].values()),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
@@ -544,11 +556,14 @@ class Server:
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
-        while not _health(self.port):
-            if self.proc.poll() is not None or time.perf_counter() - t0 > 900:
-                self.__exit__()
-                raise RuntimeError(f"the server did not start; its log: {self.log}")
-            time.sleep(0.5)
+        try:
+            while not _health(self.port):
+                if self.proc.poll() is not None or time.perf_counter() - t0 > 900:
+                    raise RuntimeError(f"the server did not start; its log: {self.log}")
+                time.sleep(0.5)
+        except BaseException:
+            self.__exit__()  # an interrupt during start-up leaves no engine behind
+            raise
         self.startup_s = round(time.perf_counter() - t0, 1)
         return self
 
@@ -574,7 +589,7 @@ def _client_args(args: argparse.Namespace) -> argparse.Namespace:
     """What bench.capacity's camera clients read."""
     return argparse.Namespace(
         window=args.window, max_tokens=args.max_tokens, fps=args.fps, declare=args.declare,
-        seconds=args.seconds,
+        seconds=args.seconds, warmup=args.warmup,
     )  # fmt: skip
 
 
@@ -594,11 +609,18 @@ async def _levels(url: str, args: argparse.Namespace) -> tuple[int, list[dict[st
     period_ms = 1e3 / args.fps
     capacity, levels = 0, []
     for n in range(1, args.max_level + 1):
-        level = await _camera_level(url, n, _client_args(args))
-        level["meets_slo"] = meets_slo(level, period_ms)
-        print(json.dumps(level), flush=True)
-        levels.append(level)
-        await asyncio.sleep(2)  # the closed sessions' blocks go back to the pool
+        level: dict[str, Any] = {}
+        # A level that misses is tried once more: one stall of a shared machine (another
+        # process, a page-in) must not end the search.
+        for attempt in range(2):
+            level = await _camera_level(url, n, _client_args(args))
+            level["meets_slo"] = meets_slo(level, period_ms)
+            level["attempt"] = attempt + 1
+            print(json.dumps(level), flush=True)
+            levels.append(level)
+            await asyncio.sleep(2)  # the closed sessions' blocks go back to the pool
+            if level["meets_slo"]:
+                break
         if not level["meets_slo"]:
             break
         capacity = n
@@ -675,6 +697,12 @@ def main() -> None:
     )
     parser.add_argument("--fps", type=float, default=1.0, help="camera: frames offered per second")
     parser.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="camera: seconds at the start of each level not measured (0; --box: 5)",
+    )
+    parser.add_argument(
         "--declare", action="store_true", help="camera: open with the page's limits"
     )
     parser.add_argument(
@@ -696,12 +724,14 @@ def main() -> None:
         result = {"commit": _commit(args.cwd), "serve_args": args.serve_args, "run": start}
     elif args.box:
         args.seconds = args.seconds or (20.0 if args.quick else 60.0)
+        args.warmup = 5.0 if args.warmup is None else args.warmup
         if args.quick:
             args.seconds = min(args.seconds, 20.0)
             args.max_level = min(args.max_level, 6)
         result = run_box(args)
     elif args.camera:
         args.seconds = args.seconds or 30.0
+        args.warmup = args.warmup or 0.0
         args.levels = args.levels or [1, 4, 8, 12, 16, 20]
         result = asyncio.run(camera(args))
     else:
