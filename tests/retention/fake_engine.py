@@ -36,6 +36,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from realtime.models import model_dir
 from retention.vllm_adapter.session_scheduler import RealtimeSessionScheduler
+from retention.vllm_adapter.v2 import CPU_WORKER_CLS
 
 init_none_hash(sha256)
 
@@ -71,9 +72,13 @@ def make_vllm_config(
     )
     cache_config.num_gpu_blocks = num_blocks
     with _scheduler_only_platform():
-        return VllmConfig(
+        config = VllmConfig(
             model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
         )
+    # The worker serve names where the engine runs V2 (0.34: always): these engines stand for
+    # serve's, and a V2 engine of any other worker refuses bounded sessions.
+    config.parallel_config.worker_cls = CPU_WORKER_CLS
+    return config
 
 
 def make_scheduler(

@@ -60,7 +60,7 @@ def test_without_an_engine_config_the_plugin_does_nothing(monkeypatch: Any) -> N
     monkeypatch.setattr(
         plugin,
         "install_engine_process_hooks",
-        lambda introspection: installed.append(introspection),
+        lambda introspection, vllm_config=None: installed.append(introspection),
     )
     monkeypatch.setattr(plugin, "_registered", False)
     plugin.register()  # no `vllm_config` anywhere up this stack

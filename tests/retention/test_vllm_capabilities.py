@@ -31,6 +31,7 @@ EXPECTED = {
         "token_buffer": False,
         "block_map_holds_ids": False,
         "v1_model_runner": True,
+        "v2_model_runner": True,
     },
     "0.33.0": {
         "prefix_cache_hit_limit": False,
@@ -41,6 +42,7 @@ EXPECTED = {
         "token_buffer": False,
         "block_map_holds_ids": False,
         "v1_model_runner": True,
+        "v2_model_runner": True,
     },
     "0.34.0": {
         "prefix_cache_hit_limit": True,
@@ -51,6 +53,7 @@ EXPECTED = {
         "token_buffer": True,
         "block_map_holds_ids": True,
         "v1_model_runner": False,
+        "v2_model_runner": True,
     },
 }
 
@@ -72,19 +75,28 @@ def test_the_capability_record_matches_what_the_release_offers() -> None:
     assert found == EXPECTED[version.split("+", 1)[0]]
 
 
-def test_serving_is_refused_with_the_reason_where_the_worker_hooks_do_not_run() -> None:
-    from retention.vllm_adapter import WORKER_HOOKS_EXECUTED_ON
+# Where each release serves bounded sessions (what tests executed of the hooks on its runners).
+SERVES_ON = {"0.32.0": ("v1", "v2"), "0.33.0": ("v2",), "0.34.0": ("v2",)}
 
+
+def test_the_record_decides_which_runner_serves_on_this_release() -> None:
+    """On 0.34 (`make compat`): V2 serves, with the start-up log's exact words; V1 is gone."""
     capabilities = vllm_capabilities()
-    if capabilities.version.split("+", 1)[0] in WORKER_HOOKS_EXECUTED_ON:
-        assert capabilities.v1_model_runner
-        assert check_serving_support() is capabilities
-        return
-    with pytest.raises(UnsupportedVLLMVersion) as raised:
-        check_serving_support()
-    message = str(raised.value)
-    if capabilities.v1_model_runner:  # 0.33: the runner is there, the hooks never ran on it
-        assert "no CPU build" in message and "keeps the V1 GPU model runner" in message
-    else:  # 0.34: the runner is gone
-        assert "no V1 GPU model runner" in message and "not on this release's" in message
-    assert "install vLLM 0.32.0" in message
+    serves = SERVES_ON[capabilities.release]
+    for runner in ("v1", "v2"):
+        if runner in serves:
+            assert check_serving_support(runner) is capabilities
+            assert capabilities.hooks_executed(runner)
+            continue
+        with pytest.raises(UnsupportedVLLMVersion) as raised:
+            check_serving_support(runner)
+        message = str(raised.value)
+        if capabilities.v1_model_runner:  # 0.33: the runner is there, the V1 hooks never ran
+            assert "keeps the V1 GPU model runner" in message and "no CPU build" in message
+            assert "Its V2 runner serves" in message
+        else:  # 0.34: the runner is gone
+            assert "has no V1 GPU model runner" in message and "V2 runner only" in message
+    if capabilities.release == "0.34.0":
+        assert capabilities.hooks_executed("v2") == (
+            "hooks tested on 0.34's runner code under the Triton interpreter; never run on a GPU"
+        )

@@ -2,7 +2,8 @@
 
 Run by tests/retention/test_v2_runner.py (once per runner: vLLM decides about Triton once per
 process, tests/model_runner_mode.py); prints one ``PROBE {json}`` line: the greedy tokens of
-every chunk, the retention counters, and which runner class the worker built.
+every chunk, the retention counters, which runner class the worker built and, on V2, which
+V1 runner patches the worker process carries (none).
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ async def run(chunks: int) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir("smollm2-135m-instruct")))
     engine: Any = start_engine(engine_settings("smollm2-135m-instruct", max_num_seqs=2))
     try:
+        v1_patches = None
         if RUNNER == "v2":
             (runner,) = await engine.collective_rpc("vllm_realtime_model_runner")
+            # plugin.py installs the V1 runner's patches only in a V1 engine's processes.
+            (v1_patches,) = await engine.collective_rpc("vllm_realtime_v1_patches")
         else:
             runner = "V1 (vLLM's own worker)"
         session = Session(engine, BUDGET, max_tokens=4)
@@ -55,6 +59,7 @@ async def run(chunks: int) -> dict[str, Any]:
             await session.close()
         return {
             "runner": runner,
+            "v1_patches": v1_patches,
             "replies": replies,
             "evictions": state["evictions"],
             "consolidations": state["consolidations"],

