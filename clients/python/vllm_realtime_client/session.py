@@ -721,6 +721,9 @@ class RealtimeSession(SessionForms):
         try:
             while True:
                 reason = await self._read_socket(self._ws)
+                # The server parks a resumable session (a resume takes it over, with a new
+                # machine) and ends any other.
+                self._proto.connection_lost()
                 if self._user_closing or not self.resilient or self._fatal is not None:
                     break
                 if self.closed is not None:
