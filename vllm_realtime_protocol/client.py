@@ -13,10 +13,12 @@ table.
 
 Some refusals no table foresees: the server's checks of a payload, of a setting, of the model
 name, admission (``capacity_exceeded``), a resume token. Such an ``error`` (one with
-``session_survives``) undoes the send it answers (the one whose ``event_id`` it echoes; with no
-``event_id``, the oldest unanswered): the state goes back to where it was before that send (or
+``session_survives``) undoes the send it answers (the one whose ``event_id`` it echoes; one with
+no ``event_id`` answers the oldest unanswered send that had none): the state goes back to where it was before that send (or
 to :data:`REFUSED_PAYLOAD_STATE`, for a binary payload, whose announcement the server consumes),
-and the sends after it are stepped again from there. Several sends may await their answers at
+and the sends after it are stepped again from there. A refused send that moved nothing
+(``session.update``, ``session.resume``) undoes nothing: the server's own events may have moved
+the state since it was sent (a ``response.done``). Several sends may await their answers at
 once (a ``session.update`` while a chunk waits for its ``input.ack``): the server answers them
 in the order they were sent, so each answer goes to the oldest unanswered send of its kind.
 
@@ -241,6 +243,11 @@ class ClientProtocol:
         if at is None:  # it answers no send awaiting its answer (e.g. a late cancel's)
             return
         refused = pending[at]
+        if TRANSITIONS.get((refused.before, refused.input), refused.before) is refused.before:
+            # It moved nothing (session.update, session.resume), so nothing is undone: the
+            # state may have moved since by the server's own events (a response.done).
+            del self._unanswered[at]
+            return
         state = REFUSED_PAYLOAD_STATE.get(refused.input, refused.before)
         # The sends after the refused one were stepped from a state that no longer holds:
         # step them again from where the refusal leaves the session.
@@ -254,11 +261,14 @@ class ClientProtocol:
     @staticmethod
     def _refused_at(pending: list[_Sent], event_id: str | None) -> int | None:
         """Which unanswered send a surviving error refuses: the one whose ``event_id`` it
-        echoes; with none, the oldest, passing over an announcement that later sends followed
-        (the server answers an accepted announcement only with its payload's input.ack)."""
+        echoes. An error with none answers a send that had none (the server echoes every
+        event_id it gets; a binary message refused for want of an announcement has none): the
+        oldest, passing over an announcement that later sends followed (the server answers an
+        accepted announcement only with its payload's input.ack)."""
         if event_id is not None:
             return next((n for n, sent in enumerate(pending) if sent.event_id == event_id), None)
-        for n, sent in enumerate(pending):
-            if sent.input is not Input.FRAME_ANNOUNCE or n == len(pending) - 1:
+        unnamed = [n for n, sent in enumerate(pending) if sent.event_id is None]
+        for k, n in enumerate(unnamed):
+            if pending[n].input is not Input.FRAME_ANNOUNCE or k == len(unnamed) - 1:
                 return n
         return None

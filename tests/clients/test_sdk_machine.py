@@ -195,6 +195,8 @@ def _by_the_tables(
                 return None, before
             if refused.input is In.SESSION_OPEN and event.error.code == CapacityExceeded.code:
                 pair = (before, In.OPEN_REFUSED)
+            elif TRANSITIONS.get((refused.before, refused.input), refused.before) is refused.before:
+                return None, before  # it moved nothing, so nothing is undone
             else:  # a refusal no table foresees: back to before the refused send
                 state = REFUSED_PAYLOAD_STATE.get(refused.input, refused.before)
                 for later in pending[pending.index(refused) + 1 :]:

@@ -93,9 +93,9 @@ async function opened(options = {}) {
 
 let frameIndex = 0;
 /** Answer the last frame.append the way the server does: ack, created, deltas, done. */
-function reply(ws, { deltas = ["a ", "cat"], status = "completed", frameId = null } = {}) {
+function reply(ws, { deltas = ["a ", "cat"], status = "completed", frameId = null, ack = true } = {}) {
   const index = frameIndex++;
-  ws.emit({ type: "input.ack", event_id: "e", frame_index: index, frame_id: frameId, bytes: 10 });
+  if (ack) ws.emit({ type: "input.ack", event_id: "e", frame_index: index, frame_id: frameId, bytes: 10 });
   ws.emit({ type: "response.created", event_id: "e", frame_index: index, frame_id: frameId });
   for (const delta of deltas) ws.emit({ type: "response.text.delta", event_id: "e", frame_index: index, delta });
   ws.emit({
@@ -752,13 +752,14 @@ test("ResponseStream: a refused chunk throws from the loop; break leaves the rep
   assert.equal((await step).value.delta, "hi ");
   // leave the loop after the first delta (what `break` calls): the reply goes on
   await it.return();
-  frameIndex = index; // reply() continues the same chunk's index
-  reply(ws, { deltas: ["there"] });
+  frameIndex = index; // reply() continues the same chunk's index (acked above)
+  reply(ws, { deltas: ["there"], ack: false });
   const done = await first.result();
   assert.equal(done.text, "there");
   assert.equal(first.done, done);
   assert.equal(first.text, "hi there");
   assert.equal(client.busy, false);
+  assert.deepEqual(client.errors, []);
 });
 
 test("events(): every server event in order until the session ends; break unsubscribes", async () => {
