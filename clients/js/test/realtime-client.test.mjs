@@ -817,3 +817,52 @@ test("a refused update rejects with the server's code and param; the session liv
   await assert.rejects(pending, (err) => err.code === "invalid_request" && err.param === "sampling.max_tokens");
   assert.equal(client.closed, false);
 });
+
+test("update() while a chunk awaits its input.ack: both are answered, in order, by the machine", async () => {
+  const { client, ws } = await opened();
+  const pending = client.appendText("hello");
+  await tick();
+  assert.equal(client.machine.state, "awaiting_response");
+  const updating = client.update({ frameFormat: "png" });
+  await tick();
+  assert.deepEqual(client.machine.unanswered.map((s) => s.input), ["frame.append", "session.update"]);
+  const index = frameIndex;
+  reply(ws, { deltas: ["hi"] }); // its input.ack first: the server answers in the order sent
+  ws.emit({ type: "session.updated", event_id: "e", session_id: client.sessionId, config: { ...client.opened.config, frame_format: "png" } });
+  assert.equal((await pending).frame_index, index);
+  assert.equal((await updating).config.frame_format, "png");
+  assert.deepEqual([client.machine.state, client.machine.unanswered, client.machine.nextFrameIndex], ["idle", [], index + 1]);
+  assert.deepEqual(client.errors, []);
+});
+
+test("resilient: a crashed replica (no drain): the accepted chunk is sent again once after the resume, and said", async () => {
+  const { client, ws } = await resilient();
+  const pending = client.appendText("what now?", { frameId: "t0" });
+  await tick();
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: "t0", bytes: 9 });
+  ws.serverClose(1006); // the replica died with the reply; the store is at the last response.done
+  assert.equal(client.machine.state, "parked_awaiting_response"); // its connection's machine
+  const resent = [];
+  client.on("resent", (e) => resent.push(e));
+  const warn = console.warn;
+  const warned = [];
+  console.warn = (line) => warned.push(line);
+  try {
+    const ws2 = await nextSocket(ws);
+    emitResumed(ws2, { next_frame_index: 0, rebuilt: true }); // "send chunk 0 again"
+    await tick();
+    const again = ws2.lastJson();
+    assert.deepEqual([again.type, again.text, again.frame_id], ["frame.append", "what now?", "t0"]);
+    assert.deepEqual(resent, [{ frame_index: 0, frame_id: "t0" }]);
+    assert.equal(warned.length, 1);
+    assert.match(warned[0], /chunk 0 was lost with its server/);
+    assert.equal(client.machine.state, "awaiting_response"); // the new connection's machine
+    ws2.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: "t0", bytes: 9 });
+    ws2.emit(DONE(0, "answered"));
+    assert.equal((await pending).text, "answered");
+    assert.equal(client.chunksResent, 1);
+    assert.equal(client.machine.state, "idle");
+  } finally {
+    console.warn = warn;
+  }
+});
