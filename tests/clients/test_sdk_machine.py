@@ -159,7 +159,7 @@ class Recording(ClientProtocol):
         if pair in TRANSITIONS:
             self._log("lost", pair, before, TRANSITIONS[pair], pair[1].value)
         else:  # a parked machine: its connection is already gone
-            self._log("lost", None, before, REFUSALS.get(pair) and before, pair[1].value)
+            self._log("lost", None, before, before if pair in REFUSALS else None, pair[1].value)
 
 
 def _describe(event: ServerEvent) -> str:
