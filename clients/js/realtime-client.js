@@ -895,6 +895,10 @@ export class RealtimeClient {
   /** Send an event (and its binary payload), each stepped through the machine first. */
   _send(event, binaryPayload = null) {
     this._checkAlive();
+    if (this._machine.state === "parked" || this._machine.state === "parked_awaiting_response") {
+      // The server holds the session for a resume, which takes a new connection.
+      throw localError("reconnecting", "the connection is gone; the session is being resumed");
+    }
     this._ws.send(JSON.stringify(this._machine.send(event)));
     if (binaryPayload !== null) this._ws.send(this._machine.sendBinary(binaryPayload));
   }

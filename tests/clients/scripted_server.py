@@ -165,7 +165,8 @@ class ScriptedServer:
 @contextlib.asynccontextmanager
 async def scripted_server(*scripts: Script, timeout: float = 5.0) -> AsyncIterator[ScriptedServer]:
     """Serve on 127.0.0.1: the n-th connection runs the n-th script. On exit, waits for the
-    scripts still running (at most ``timeout``), and raises the first thing a script raised."""
+    scripts still running (at most ``timeout``, then cancels them), and raises the first thing
+    a script raised."""
     state = ScriptedServer()
     queue = list(scripts)
     running: set[asyncio.Task[None]] = set()
@@ -198,6 +199,9 @@ async def scripted_server(*scripts: Script, timeout: float = 5.0) -> AsyncIterat
             if not running:
                 break
             await asyncio.sleep(0.01)
+        for task in list(running):  # a script still waiting would hold the server open
+            state.failures.append(AssertionError(f"a script was still running: {task!r}"))
+            task.cancel()
     if state.failures:
         raise state.failures[0]
     assert not queue, f"{len(queue)} scripted connection(s) never came"

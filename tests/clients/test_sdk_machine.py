@@ -576,3 +576,45 @@ async def test_an_update_while_a_chunk_awaits_its_ack_is_answered_in_order(
         assert not session.errors
     assert not _violations(recorded)
     assert (S.AWAITING_RESPONSE, In.SESSION_UPDATE) in {s.pair for s in recorded}
+
+
+async def test_calls_made_while_the_session_is_parked_say_so(recorded: list[Step]) -> None:
+    """Between a drop and the resume, the machine is parked: an update raises ConnectionLost
+    (as a send on the dead socket did), not the tables' internal error; the session goes on."""
+    go, asked = asyncio.Event(), asyncio.Event()
+    config: dict[str, SessionConfig] = {}
+
+    async def first(peer: Peer) -> None:
+        await peer.greet()
+        opened = await peer.open(resume_token="tok-1")
+        config["c"] = SessionConfig(**opened.model_dump(include=set(SessionConfig.model_fields)))
+        await peer.drop()
+
+    async def second(peer: Peer) -> None:
+        await peer.greet()
+        await peer.expect(SessionResumeEvent)
+        asked.set()
+        await go.wait()
+        await peer.send(resumed(config["c"], next_frame_index=0))
+        await peer.expect(SessionCloseEvent)
+        await peer.closed("client_closed")
+        await peer.end()
+
+    async def play() -> None:
+        async with scripted_server(first, second) as srv:
+            session = await _session(srv.url)
+            try:
+                await session.open(modality="text", resumable={"grace_s": 30})
+                await asyncio.wait_for(asked.wait(), 5.0)
+                assert session.protocol.state is S.PARKED and not session.busy
+                with pytest.raises(ConnectionLost, match="being resumed"):
+                    await session.update(frame_format="png")
+                go.set()
+                await _until(lambda: session.resumes == 1, "the resume")
+            finally:
+                go.set()
+                await session.close()
+            assert not session.errors
+
+    await asyncio.wait_for(play(), 20.0)
+    assert not _violations(recorded)

@@ -866,3 +866,16 @@ test("resilient: a crashed replica (no drain): the accepted chunk is sent again 
     console.warn = warn;
   }
 });
+
+test("resilient: between the drop and the resume the machine is parked; update() says reconnecting", async () => {
+  const { client, ws } = await resilient();
+  ws.serverClose(1006);
+  assert.equal(client.machine.state, "parked");
+  const ws2 = await nextSocket(ws);
+  assert.equal(ws2.lastJson().type, "session.resume");
+  await assert.rejects(client.update({ frameFormat: "png" }), (err) => err.code === "reconnecting" && err.local);
+  emitResumed(ws2);
+  await tick();
+  assert.equal(client.machine.state, "idle");
+  assert.deepEqual(client.errors, []);
+});

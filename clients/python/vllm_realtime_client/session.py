@@ -615,6 +615,9 @@ class RealtimeSession(SessionForms):
         """Step ``proto`` and send each item on ``ws`` under the send lock (an announcement and
         its binary payload stay together); a refusal by the machine raises before the socket."""
         async with self._send_lock:
+            if proto.state in (State.PARKED, State.PARKED_AWAITING_RESPONSE):
+                # The server holds the session for a resume, which takes a new connection.
+                raise ConnectionLost("the connection is gone; the session is being resumed")
             for item in items:
                 if isinstance(item, bytes):
                     await ws.send(proto.send_binary(item))
