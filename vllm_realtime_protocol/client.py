@@ -13,14 +13,15 @@ table.
 
 Some refusals no table foresees: the server's checks of a payload, of a setting, of the model
 name, admission (``capacity_exceeded``), a resume token. Such an ``error`` (one with
-``session_survives``) undoes the send it answers (the one whose ``event_id`` it echoes; one with
-no ``event_id`` answers the oldest unanswered send that had none): the state goes back to where it was before that send (or
-to :data:`REFUSED_PAYLOAD_STATE`, for a binary payload, whose announcement the server consumes),
-and the sends after it are stepped again from there. A refused send that moved nothing
-(``session.update``, ``session.resume``) undoes nothing: the server's own events may have moved
-the state since it was sent (a ``response.done``). Several sends may await their answers at
-once (a ``session.update`` while a chunk waits for its ``input.ack``): the server answers them
-in the order they were sent, so each answer goes to the oldest unanswered send of its kind.
+``session_survives``) undoes the send it answers: the one whose ``event_id`` it echoes (an
+error with no ``event_id`` answers the oldest unanswered send that had none). The state goes
+back to where it was before that send (or to :data:`REFUSED_PAYLOAD_STATE`, for a binary
+payload, whose announcement the server consumes), and the sends after it are stepped again
+from there. A refused send that moved nothing (``session.update``, ``session.resume``) undoes
+nothing: the server's own events may have moved the state since it was sent (a
+``response.done``). Several sends may await their answers at once (a ``session.update`` while a
+chunk waits for its ``input.ack``): the server answers them in the order they were sent, so
+each answer goes to the oldest unanswered send of its kind.
 
 When the connection is gone, :meth:`ClientProtocol.connection_lost` applies what the server
 does with it: an open resumable session is parked (``detach``), any other ends (``disconnect``).
