@@ -58,7 +58,9 @@ export type ServerEventOf<T extends ServerEventType> = Extract<ServerEvent, { ty
  * A server `error` event (`local: false`, `code` is a wire code such as `chunk_in_flight`), or
  * a client-side failure (`local: true`; codes `chunk_in_flight`, `session_not_open`,
  * `session_already_open`, `undecodable_frame`, `frame_too_large`, `timeout`,
- * `connection_failed`, `connection_lost`, `session_closed`, `reconnecting`).
+ * `connection_failed`, `connection_lost`, `session_closed`, `reconnecting`; and whatever
+ * other refusal of the protocol's tables ClientMachine raises, with the server's wire code,
+ * e.g. `no_response_in_flight`, or `internal_error` for a server event out of order).
  */
 export declare class RealtimeError extends Error {
   constructor(
