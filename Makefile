@@ -35,6 +35,7 @@ unit: setup
 ## and the demo page's tuned replies (tests/clients/test_types_drift.py fails when they drift).
 types: setup
 	$(BIN)/python -m vllm_realtime_protocol.schema > clients/js/protocol.schema.json
+	$(BIN)/python -m vllm_realtime_protocol.schema --tables > clients/js/protocol.tables.json
 	cd clients/js && npm run --silent types
 	$(BIN)/python -m training.page_formats > realtime/static/tuned-replies.json
 

@@ -13,10 +13,18 @@ table.
 
 Some refusals no table foresees: the server's checks of a payload, of a setting, of the model
 name, admission (``capacity_exceeded``), a resume token. Such an ``error`` (one with
-``session_survives``) undoes the last unconfirmed send: the state goes back to where it was
-before it (or to :data:`REFUSED_PAYLOAD_STATE`, for a binary payload, whose announcement the
-server consumes). That is exact when at most one sent event awaits its answer, which is how a
-client drives a session (it waits for each chunk's ``input.ack``).
+``session_survives``) undoes the send it answers: the one whose ``event_id`` it echoes (an
+error with no ``event_id`` answers the oldest unanswered send that had none). The state goes
+back to where it was before that send (or to :data:`REFUSED_PAYLOAD_STATE`, for a binary
+payload, whose announcement the server consumes), and the sends after it are stepped again
+from there. A refused send that moved nothing (``session.update``, ``session.resume``) undoes
+nothing: the server's own events may have moved the state since it was sent (a
+``response.done``). Several sends may await their answers at once (a ``session.update`` while a
+chunk waits for its ``input.ack``): the server answers them in the order they were sent, so
+each answer goes to the oldest unanswered send of its kind.
+
+When the connection is gone, :meth:`ClientProtocol.connection_lost` applies what the server
+does with it: an open resumable session is parked (``detach``), any other ends (``disconnect``).
 
 The machine does no I/O: a shell (asyncio, sync, browser) serialises what ``send`` returns,
 and parses what arrives into ``receive``.
@@ -24,7 +32,8 @@ and parses what arrives into ``receive``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 
 from vllm_realtime_protocol.errors import InternalError
 from vllm_realtime_protocol.events import (
@@ -59,6 +68,7 @@ class _Sent:
 
     input: Input
     before: State
+    event_id: str | None
 
 
 class ClientProtocol:
@@ -76,7 +86,9 @@ class ClientProtocol:
 
     def __init__(self) -> None:
         self._state = State.CONNECTED
-        self._unanswered: _Sent | None = None
+        # Sent inputs awaiting their answers, oldest first (a response.cancel is not one: the
+        # reply's response.done answers it, or a no_response_in_flight that changes nothing).
+        self._unanswered: deque[_Sent] = deque()
         self.session_id: str | None = None
         """The session's id, from session.created (or session.resumed)."""
         self.limits: Limits | None = None
@@ -100,7 +112,16 @@ class ClientProtocol:
     @property
     def busy(self) -> bool:
         """A chunk is in flight: sent (or announced), its response.done not received."""
-        return self._state in (State.AWAITING_BINARY, State.AWAITING_RESPONSE)
+        return self._state in (
+            State.AWAITING_BINARY,
+            State.AWAITING_RESPONSE,
+            State.PARKED_AWAITING_RESPONSE,
+        )
+
+    @property
+    def unanswered(self) -> tuple[Input, ...]:
+        """The sent inputs the server has not answered yet, oldest first."""
+        return tuple(sent.input for sent in self._unanswered)
 
     # -- what the client sends
 
@@ -130,9 +151,24 @@ class ClientProtocol:
 
     def _step(self, inp: Input, event_id: str | None) -> None:
         self._refuse(inp, event_id)
-        # A cancel the tables allow is never refused: it is answered by the reply's response.done.
-        self._unanswered = None if inp is Input.RESPONSE_CANCEL else _Sent(inp, self._state)
+        pending = self._unanswered
+        if inp is Input.BINARY and pending and pending[-1].input is Input.FRAME_ANNOUNCE:
+            # The payload completes its announcement: one chunk, answered by one input.ack (or
+            # refused by an error echoing the announcement's event_id).
+            pending[-1] = _Sent(Input.BINARY, self._state, pending[-1].event_id)
+        elif inp is not Input.RESPONSE_CANCEL:
+            pending.append(_Sent(inp, self._state, event_id))
         self._state = TRANSITIONS[(self._state, inp)]
+
+    def connection_lost(self) -> None:
+        """The connection is gone: what the server does with its session, by the tables. An
+        open session opened ``resumable`` is parked (``detach``: a new connection may resume
+        it, with a new machine), any other session ends (``disconnect``)."""
+        self._unanswered.clear()
+        resumable = self.config is not None and self.config.resumable is not None
+        live = self._state in (State.IDLE, State.AWAITING_BINARY, State.AWAITING_RESPONSE)
+        inp = Input.DETACH if resumable and live else Input.DISCONNECT
+        self._state = TRANSITIONS.get((self._state, inp), self._state)  # parked: already gone
 
     # -- what the server sends
 
@@ -156,21 +192,26 @@ class ClientProtocol:
         elif isinstance(event, SessionResumedEvent):
             self._resumed(event)
         elif isinstance(event, SessionClosedEvent):
-            self._unanswered = None
+            self._unanswered.clear()
             self._state = State.CLOSED
             self.close_reason = event.reason
         elif isinstance(event, ErrorEvent):
             self._error(event)
 
+    def _answered(self, *inputs: Input) -> _Sent | None:
+        """Take the oldest unanswered send of one of ``inputs`` off the queue."""
+        for sent in self._unanswered:
+            if sent.input in inputs:
+                self._unanswered.remove(sent)
+                return sent
+        return None
+
     def _confirm(self, inp: Input) -> None:
-        if self._unanswered is not None and self._unanswered.input is inp:
-            self._unanswered = None
+        self._answered(inp)
 
     def _ack(self, event: InputAckEvent) -> None:
-        sent = self._unanswered
-        if sent is None or sent.input not in (Input.FRAME_APPEND, Input.BINARY):
+        if self._answered(Input.FRAME_APPEND, Input.BINARY) is None:
             raise InternalError(f"input.ack with no chunk sent (state {self._state.name})")
-        self._unanswered = None
         self.in_flight_frame_index = event.frame_index
         self.next_frame_index = event.frame_index + 1
 
@@ -194,8 +235,41 @@ class ClientProtocol:
         self.resume_token = event.resume_token
 
     def _error(self, event: ErrorEvent) -> None:
-        sent, self._unanswered = self._unanswered, None
         if not event.error.session_survives:
+            self._unanswered.clear()
             self._server_input(Input.FATAL_ERROR)
-        elif sent is not None:
-            self._state = REFUSED_PAYLOAD_STATE.get(sent.input, sent.before)
+            return
+        pending = list(self._unanswered)
+        at = self._refused_at(pending, event.error.event_id)
+        if at is None:  # it answers no send awaiting its answer (e.g. a late cancel's)
+            return
+        refused = pending[at]
+        if TRANSITIONS.get((refused.before, refused.input), refused.before) is refused.before:
+            # It moved nothing (session.update, session.resume), so nothing is undone: the
+            # state may have moved since by the server's own events (a response.done).
+            del self._unanswered[at]
+            return
+        state = REFUSED_PAYLOAD_STATE.get(refused.input, refused.before)
+        # The sends after the refused one were stepped from a state that no longer holds:
+        # step them again from where the refusal leaves the session.
+        later = []
+        for sent in pending[at + 1 :]:
+            later.append(replace(sent, before=state))
+            state = TRANSITIONS.get((state, sent.input), state)
+        self._unanswered = deque([*pending[:at], *later])
+        self._state = state
+
+    @staticmethod
+    def _refused_at(pending: list[_Sent], event_id: str | None) -> int | None:
+        """Which unanswered send a surviving error refuses: the one whose ``event_id`` it
+        echoes. An error with none answers a send that had none (the server echoes every
+        event_id it gets; a binary message refused for want of an announcement has none): the
+        oldest, passing over an announcement that later sends followed (the server answers an
+        accepted announcement only with its payload's input.ack)."""
+        if event_id is not None:
+            return next((n for n, sent in enumerate(pending) if sent.event_id == event_id), None)
+        unnamed = [n for n, sent in enumerate(pending) if sent.event_id is None]
+        for k, n in enumerate(unnamed):
+            if pending[n].input is not Input.FRAME_ANNOUNCE or k == len(unnamed) - 1:
+                return n
+        return None

@@ -113,4 +113,11 @@ def render() -> str:
 
 
 if __name__ == "__main__":
-    print(render(), end="")
+    # `--tables`: the session's transition tables instead (tables.py; clients/js's
+    # protocol.tables.json). They are printed from here because tables.py is imported with the
+    # package, so `python -m` cannot run it as a fresh module.
+    import sys
+
+    from vllm_realtime_protocol import tables
+
+    print(tables.render() if sys.argv[1:] == ["--tables"] else render(), end="")

@@ -12,6 +12,7 @@ the guards are in ``state.py``.
 from __future__ import annotations
 
 import enum
+import json
 
 from vllm_realtime_protocol.errors import (
     BinaryUnexpected,
@@ -32,6 +33,7 @@ __all__ = [
     "Input",
     "State",
     "as_data",
+    "render",
 ]
 
 
@@ -227,3 +229,13 @@ def as_data() -> dict[str, list[list[str]]]:
         "client_inputs": [[i.value] for i in Input if i in CLIENT_INPUTS],
         "refused_payload_state": [[i.value, s.value] for i, s in REFUSED_PAYLOAD_STATE.items()],
     }
+
+
+def render() -> str:
+    """:func:`as_data` as committed for the JS client (``clients/js/protocol.tables.json``,
+    written by ``make types``): one row a line, in the tables' order, a final newline."""
+    sections = []
+    for name, rows in as_data().items():
+        lines = ",\n".join(f"    {json.dumps(row)}" for row in rows)
+        sections.append(f'  "{name}": [\n{lines}\n  ]')
+    return "{\n" + ",\n".join(sections) + "\n}\n"

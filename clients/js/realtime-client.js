@@ -86,6 +86,348 @@ function deferred() {
   return { promise, resolve, reject };
 }
 
+// The session's transition tables, the protocol's own (vllm_realtime_protocol/tables.py):
+// `make types` writes them to protocol.tables.json and copies that file here
+// (scripts/embed-tables.mjs); tests/clients/test_types_drift.py fails when either drifts.
+// BEGIN protocol.tables.json
+export const PROTOCOL_TABLES = {
+  "transitions": [
+    ["connected", "session.open", "idle"],
+    ["connected", "session.close", "closed"],
+    ["idle", "frame.append", "awaiting_response"],
+    ["idle", "frame.append(binary)", "awaiting_binary"],
+    ["idle", "session.close", "closed"],
+    ["idle", "open_refused", "connected"],
+    ["awaiting_binary", "binary", "awaiting_response"],
+    ["awaiting_binary", "session.close", "closed"],
+    ["awaiting_response", "response.cancel", "awaiting_response"],
+    ["awaiting_response", "response_done", "idle"],
+    ["awaiting_response", "session.close", "closed"],
+    ["closed", "response_done", "closed"],
+    ["connected", "engine_error", "closed"],
+    ["connected", "disconnect", "closed"],
+    ["connected", "idle_timeout", "closed"],
+    ["connected", "server_shutdown", "closed"],
+    ["connected", "error", "closed"],
+    ["idle", "engine_error", "closed"],
+    ["idle", "disconnect", "closed"],
+    ["idle", "idle_timeout", "closed"],
+    ["idle", "server_shutdown", "closed"],
+    ["idle", "error", "closed"],
+    ["awaiting_binary", "engine_error", "closed"],
+    ["awaiting_binary", "disconnect", "closed"],
+    ["awaiting_binary", "idle_timeout", "closed"],
+    ["awaiting_binary", "server_shutdown", "closed"],
+    ["awaiting_binary", "error", "closed"],
+    ["awaiting_response", "engine_error", "closed"],
+    ["awaiting_response", "disconnect", "closed"],
+    ["awaiting_response", "idle_timeout", "closed"],
+    ["awaiting_response", "server_shutdown", "closed"],
+    ["awaiting_response", "error", "closed"],
+    ["closed", "engine_error", "closed"],
+    ["closed", "disconnect", "closed"],
+    ["closed", "idle_timeout", "closed"],
+    ["closed", "server_shutdown", "closed"],
+    ["closed", "error", "closed"],
+    ["parked", "engine_error", "closed"],
+    ["parked", "server_shutdown", "closed"],
+    ["parked", "error", "closed"],
+    ["parked_awaiting_response", "engine_error", "closed"],
+    ["parked_awaiting_response", "server_shutdown", "closed"],
+    ["parked_awaiting_response", "error", "closed"],
+    ["connected", "session.resume", "connected"],
+    ["idle", "detach", "parked"],
+    ["awaiting_binary", "detach", "parked"],
+    ["awaiting_response", "detach", "parked_awaiting_response"],
+    ["parked_awaiting_response", "response_done", "parked"],
+    ["parked", "resumed", "idle"],
+    ["parked_awaiting_response", "resumed", "awaiting_response"],
+    ["parked", "expire", "closed"],
+    ["parked_awaiting_response", "expire", "closed"],
+    ["closed", "expire", "closed"],
+    ["idle", "session.update", "idle"],
+    ["awaiting_binary", "session.update", "awaiting_binary"],
+    ["awaiting_response", "session.update", "awaiting_response"]
+  ],
+  "refusals": [
+    ["connected", "frame.append", "session_not_open"],
+    ["connected", "frame.append(binary)", "session_not_open"],
+    ["connected", "binary", "binary_unexpected"],
+    ["connected", "response.cancel", "session_not_open"],
+    ["connected", "open_refused", "internal_error"],
+    ["connected", "response_done", "internal_error"],
+    ["idle", "session.open", "session_already_open"],
+    ["idle", "binary", "binary_unexpected"],
+    ["idle", "response.cancel", "no_response_in_flight"],
+    ["idle", "response_done", "internal_error"],
+    ["awaiting_binary", "session.open", "session_already_open"],
+    ["awaiting_binary", "frame.append", "chunk_in_flight"],
+    ["awaiting_binary", "frame.append(binary)", "chunk_in_flight"],
+    ["awaiting_binary", "response.cancel", "no_response_in_flight"],
+    ["awaiting_binary", "open_refused", "internal_error"],
+    ["awaiting_binary", "response_done", "internal_error"],
+    ["awaiting_response", "session.open", "session_already_open"],
+    ["awaiting_response", "frame.append", "chunk_in_flight"],
+    ["awaiting_response", "frame.append(binary)", "chunk_in_flight"],
+    ["awaiting_response", "binary", "binary_unexpected"],
+    ["awaiting_response", "open_refused", "internal_error"],
+    ["closed", "session.open", "session_closed"],
+    ["closed", "frame.append", "session_closed"],
+    ["closed", "frame.append(binary)", "session_closed"],
+    ["closed", "binary", "session_closed"],
+    ["closed", "response.cancel", "session_closed"],
+    ["closed", "session.close", "session_closed"],
+    ["closed", "open_refused", "internal_error"],
+    ["idle", "session.resume", "session_already_open"],
+    ["awaiting_binary", "session.resume", "session_already_open"],
+    ["awaiting_response", "session.resume", "session_already_open"],
+    ["closed", "session.resume", "session_closed"],
+    ["connected", "session.update", "session_not_open"],
+    ["closed", "session.update", "session_closed"],
+    ["connected", "detach", "internal_error"],
+    ["connected", "resumed", "internal_error"],
+    ["connected", "expire", "internal_error"],
+    ["closed", "detach", "internal_error"],
+    ["closed", "resumed", "internal_error"],
+    ["idle", "resumed", "internal_error"],
+    ["idle", "expire", "internal_error"],
+    ["awaiting_binary", "resumed", "internal_error"],
+    ["awaiting_binary", "expire", "internal_error"],
+    ["awaiting_response", "resumed", "internal_error"],
+    ["awaiting_response", "expire", "internal_error"],
+    ["parked", "response_done", "internal_error"],
+    ["parked", "session.open", "internal_error"],
+    ["parked", "frame.append", "internal_error"],
+    ["parked", "frame.append(binary)", "internal_error"],
+    ["parked", "binary", "internal_error"],
+    ["parked", "response.cancel", "internal_error"],
+    ["parked", "session.close", "internal_error"],
+    ["parked", "session.resume", "internal_error"],
+    ["parked", "session.update", "internal_error"],
+    ["parked", "open_refused", "internal_error"],
+    ["parked", "disconnect", "internal_error"],
+    ["parked", "idle_timeout", "internal_error"],
+    ["parked", "detach", "internal_error"],
+    ["parked_awaiting_response", "session.open", "internal_error"],
+    ["parked_awaiting_response", "frame.append", "internal_error"],
+    ["parked_awaiting_response", "frame.append(binary)", "internal_error"],
+    ["parked_awaiting_response", "binary", "internal_error"],
+    ["parked_awaiting_response", "response.cancel", "internal_error"],
+    ["parked_awaiting_response", "session.close", "internal_error"],
+    ["parked_awaiting_response", "session.resume", "internal_error"],
+    ["parked_awaiting_response", "session.update", "internal_error"],
+    ["parked_awaiting_response", "open_refused", "internal_error"],
+    ["parked_awaiting_response", "disconnect", "internal_error"],
+    ["parked_awaiting_response", "idle_timeout", "internal_error"],
+    ["parked_awaiting_response", "detach", "internal_error"]
+  ],
+  "client_inputs": [
+    ["session.open"],
+    ["frame.append"],
+    ["frame.append(binary)"],
+    ["binary"],
+    ["response.cancel"],
+    ["session.close"],
+    ["session.resume"],
+    ["session.update"]
+  ],
+  "refused_payload_state": [
+    ["binary", "idle"]
+  ]
+};
+// END protocol.tables.json
+
+const LIVE_STATES = ["idle", "awaiting_binary", "awaiting_response"];
+const REFUSAL_HINTS = {
+  chunk_in_flight: "a chunk is already in flight; wait for its response.done",
+  session_not_open: "call open() first",
+  session_already_open: "open() was already called",
+  session_closed: "the session is closed",
+  no_response_in_flight: "no reply is in flight",
+  binary_unexpected: "no frame.append announced a binary payload",
+};
+
+/**
+ * The session's state as the client sees it, stepped through the protocol's tables: the JS
+ * form of the Python ClientProtocol (vllm_realtime_protocol/client.py), with the same rules.
+ * `send(event)` throws the server's own refusal (a local RealtimeError with the server's code)
+ * where the tables refuse, else moves the state; `receive(event)` confirms, undoes the send a
+ * surviving error refuses (the one whose event_id it echoes), or applies the server's
+ * happenings (response.done, session.closed, a fatal error); `connectionLost()` parks a
+ * resumable session or ends it. It does no I/O.
+ */
+export class ClientMachine {
+  constructor(tables = PROTOCOL_TABLES) {
+    const key = (state, input) => `${state} ${input}`;
+    this._key = key;
+    this._next = new Map(tables.transitions.map(([state, input, next]) => [key(state, input), next]));
+    this._refused = new Map(tables.refusals.map(([state, input, code]) => [key(state, input), code]));
+    this._payloadState = new Map(tables.refused_payload_state);
+    this.state = "connected";
+    /** Sent inputs awaiting their answers, oldest first: { input, before, eventId }. */
+    this.unanswered = [];
+    this.sessionId = null;
+    this.limits = null;
+    this.config = null;
+    this.nextFrameIndex = 0;
+    this.inFlightFrameIndex = null;
+    this.resumeToken = null;
+    this.closeReason = null;
+  }
+
+  /** The tables' input a client event is. */
+  static inputOf(event) {
+    if (event.type === "frame.append") return event.binary ? "frame.append(binary)" : "frame.append";
+    return event.type;
+  }
+
+  /** A chunk is in flight: sent (or announced), its response.done not received. */
+  get busy() {
+    return this.state === "awaiting_binary" || this.state === "awaiting_response" || this.state === "parked_awaiting_response";
+  }
+
+  /** Throw the server's refusal of `event` in this state (nothing changes either way). */
+  check(event) {
+    this._refuse(ClientMachine.inputOf(event));
+  }
+
+  /** Check `event` against the tables and step; returns it, to be sent. */
+  send(event) {
+    this._step(ClientMachine.inputOf(event), event.event_id ?? null);
+    return event;
+  }
+
+  /** Check and step a binary message (the payload of a `binary: true` frame.append). */
+  sendBinary(data) {
+    this._step("binary", null);
+    return data;
+  }
+
+  _refuse(input) {
+    const code = this._refused.get(this._key(this.state, input));
+    if (code !== undefined) throw localError(code, `${REFUSAL_HINTS[code] ?? "refused"} (${input} in state ${this.state})`);
+  }
+
+  _step(input, eventId) {
+    this._refuse(input);
+    const last = this.unanswered[this.unanswered.length - 1];
+    if (input === "binary" && last && last.input === "frame.append(binary)") {
+      this.unanswered[this.unanswered.length - 1] = { input, before: this.state, eventId: last.eventId };
+    } else if (input !== "response.cancel") {
+      this.unanswered.push({ input, before: this.state, eventId });
+    }
+    this.state = this._next.get(this._key(this.state, input));
+  }
+
+  /** The connection is gone: a resumable open session is parked (detach), any other ends. */
+  connectionLost() {
+    this.unanswered = [];
+    const resumable = this.config !== null && this.config.resumable != null;
+    const input = resumable && LIVE_STATES.includes(this.state) ? "detach" : "disconnect";
+    this.state = this._next.get(this._key(this.state, input)) ?? this.state;
+  }
+
+  /** Apply a server event (events that change nothing are accepted too). */
+  receive(event) {
+    switch (event.type) {
+      case "session.created":
+        this.sessionId = event.session_id;
+        this.limits = event.limits;
+        break;
+      case "session.opened":
+        this._answered(["session.open"]);
+        this.sessionId = event.session_id;
+        this.limits = event.limits;
+        this.config = event.config;
+        this.resumeToken = event.resume_token ?? null;
+        break;
+      case "session.updated":
+        this._answered(["session.update"]);
+        this.config = event.config;
+        break;
+      case "input.ack":
+        if (this._answered(["frame.append", "binary"]) === null) {
+          throw localError("internal_error", `input.ack with no chunk sent (state ${this.state})`, false);
+        }
+        this.inFlightFrameIndex = event.frame_index;
+        this.nextFrameIndex = event.frame_index + 1;
+        break;
+      case "response.done":
+        this._serverInput("response_done");
+        this.inFlightFrameIndex = null;
+        break;
+      case "session.resumed":
+        this._answered(["session.resume"]);
+        this.state = this._next.get(this._key(event.in_flight_frame_index == null ? "parked" : "parked_awaiting_response", "resumed"));
+        this.sessionId = event.session_id;
+        this.limits = event.limits;
+        this.config = event.config;
+        this.nextFrameIndex = event.next_frame_index;
+        this.inFlightFrameIndex = event.in_flight_frame_index ?? null;
+        this.resumeToken = event.resume_token;
+        break;
+      case "session.closed":
+        this.unanswered = [];
+        this.state = "closed";
+        this.closeReason = event.reason;
+        break;
+      case "error":
+        this._error(event.error || {});
+        break;
+      default:
+        break;
+    }
+  }
+
+  _answered(inputs) {
+    const at = this.unanswered.findIndex((sent) => inputs.includes(sent.input));
+    return at < 0 ? null : this.unanswered.splice(at, 1)[0];
+  }
+
+  _serverInput(input) {
+    const next = this._next.get(this._key(this.state, input));
+    if (next === undefined) throw localError("internal_error", `server sent ${input} in state ${this.state}`, false);
+    this.state = next;
+  }
+
+  _error(detail) {
+    if (!detail.session_survives) {
+      this.unanswered = [];
+      this._serverInput("error");
+      return;
+    }
+    const pending = this.unanswered;
+    const eventId = detail.event_id ?? null;
+    let at;
+    if (eventId !== null) {
+      at = pending.findIndex((sent) => sent.eventId === eventId);
+    } else {
+      // An error with no event_id answers a send that had none (the server echoes every
+      // event_id; a binary message refused for want of an announcement has none): the oldest,
+      // passing over an announcement that later sends followed (the server answers an
+      // accepted announcement only with its payload's input.ack).
+      const unnamed = pending.map((sent, n) => n).filter((n) => pending[n].eventId === null);
+      at = unnamed.find((n, k) => pending[n].input !== "frame.append(binary)" || k === unnamed.length - 1) ?? -1;
+    }
+    if (at < 0) return; // it answers no send awaiting its answer (e.g. a late cancel's)
+    const refused = pending[at];
+    if ((this._next.get(this._key(refused.before, refused.input)) ?? refused.before) === refused.before) {
+      // It moved nothing (session.update, session.resume), so nothing is undone: the state may
+      // have moved since by the server's own events (a response.done).
+      this.unanswered = [...pending.slice(0, at), ...pending.slice(at + 1)];
+      return;
+    }
+    let state = this._payloadState.get(refused.input) ?? refused.before;
+    const later = pending.slice(at + 1).map((sent) => {
+      const replayed = { ...sent, before: state };
+      state = this._next.get(this._key(state, sent.input)) ?? state;
+      return replayed;
+    });
+    this.unanswered = [...pending.slice(0, at), ...later];
+    this.state = state;
+  }
+}
+
 function toBase64(bytes) {
   let binary = "";
   const step = 0x8000;
@@ -157,7 +499,7 @@ export class RealtimeClient {
     this.chunksResent = 0; // chunks sent again because their reply was lost with its server
     this.draining = null; // the last server.draining
     this._resumeToken = null;
-    this._nextIndex = 0;
+    this._machine = new ClientMachine(); // the session's turn state: the protocol's tables
     this._recovering = false;
     this._moving = false; // session.closed(server_shutdown) of a resilient session arrived
     this._userClosing = false;
@@ -248,7 +590,12 @@ export class RealtimeClient {
 
   /** True while a chunk is in flight (sent, its response.done not received yet). */
   get busy() {
-    return this._starting || this.holding || (this._turn !== null && !this._turn.finished);
+    return this._starting || this.holding || this._machine.busy || (this._turn !== null && !this._turn.finished);
+  }
+
+  /** The session's protocol machine (state, next frame index, unanswered sends), stepped by the protocol's tables. */
+  get machine() {
+    return this._machine;
   }
 
   /** True once the session has ended (either side closed, or the socket went away). */
@@ -269,15 +616,16 @@ export class RealtimeClient {
   /** Send session.open; resolves with session.opened, rejects with the server's error. */
   async open(config = {}) {
     this._checkAlive();
-    if (this.opened || this._openWait) throw localError("session_already_open", "open() was already called");
+    if (this._openWait) throw localError("session_already_open", "open() was already called");
     const eventId = this._newId();
+    const event = { type: "session.open", event_id: eventId, ...config };
+    this._machine.check(event); // session_already_open
     const wait = deferred();
     this._openWait = { eventId, ...wait };
     try {
-      this._send({ type: "session.open", event_id: eventId, ...config });
+      this._send(event);
       this.opened = await this._withTimeout(wait.promise, this.timeoutMs, "session.opened");
       this._resumeToken = this.opened.resume_token ?? null;
-      this._nextIndex = 0;
       return this.opened;
     } finally {
       this._openWait = null;
@@ -514,7 +862,8 @@ export class RealtimeClient {
     this._checkAlive();
     if (!this.opened) throw localError("session_not_open", "call open() before sending chunks");
     if (this.holding) throw localError("reconnecting", "the session is moving to a new connection; try again shortly");
-    if (this.busy) throw localError("chunk_in_flight", "a chunk is already in flight; wait for its response.done");
+    if (this._starting) throw localError("chunk_in_flight", REFUSAL_HINTS.chunk_in_flight);
+    this._machine.check({ type: "frame.append" }); // chunk_in_flight, session_closed
   }
 
   _frameFields({ prompt = null, frameId = null, timestamp = null, reply = true, responseFormat = null }) {
@@ -543,14 +892,20 @@ export class RealtimeClient {
     return { fields: { ...fields, [field]: toBase64(bytes) }, bytes: null };
   }
 
+  /** Send an event (and its binary payload), each stepped through the machine first. */
   _send(event, binaryPayload = null) {
     this._checkAlive();
-    this._ws.send(JSON.stringify(event));
-    if (binaryPayload !== null) this._ws.send(binaryPayload);
+    if (this._machine.state === "parked" || this._machine.state === "parked_awaiting_response") {
+      // The server holds the session for a resume, which takes a new connection.
+      throw localError("reconnecting", "the connection is gone; the session is being resumed");
+    }
+    this._ws.send(JSON.stringify(this._machine.send(event)));
+    if (binaryPayload !== null) this._ws.send(this._machine.sendBinary(binaryPayload));
   }
 
   _startTurn(fields, binaryPayload, options) {
-    if (this._turn !== null && !this._turn.finished) throw localError("chunk_in_flight", "a chunk is already in flight; wait for its response.done");
+    if (this._turn !== null && !this._turn.finished) throw localError("chunk_in_flight", REFUSAL_HINTS.chunk_in_flight);
+    this._machine.check(fields); // the server's own refusals, from the tables
     const eventId = this._newId();
     const wait = deferred();
     const turn = {
@@ -654,6 +1009,7 @@ export class RealtimeClient {
       this._emit(event.type, event);
       return;
     }
+    this._step(this._machine, event);
     const turn = this._turn;
     const matches = (index) => turn && turn.ack && turn.ack.frame_index === index;
     switch (event.type) {
@@ -674,7 +1030,6 @@ export class RealtimeClient {
         if (this._openWait) this._openWait.resolve(event);
         break;
       case "input.ack":
-        this._nextIndex = event.frame_index + 1;
         if (turn && !turn.finished && turn.ack === null) turn.ack = event;
         break;
       case "response.created":
@@ -715,6 +1070,21 @@ export class RealtimeClient {
     this._emit(event.type, event);
   }
 
+  /** Feed a server event to `machine`; one out of the protocol's order is the server's bug, kept in `errors`. */
+  _step(machine, event) {
+    try {
+      machine.receive(event);
+    } catch (err) {
+      console.error(`vllm-realtime: server event out of order: ${err.message}`);
+      this._keep(err);
+    }
+  }
+
+  _keep(err) {
+    this.errors.push(err);
+    if (this.errors.length > 64) this.errors.shift();
+  }
+
   _onError(event) {
     const detail = event.error || {};
     const err = RealtimeError.fromDetail(detail);
@@ -744,11 +1114,12 @@ export class RealtimeClient {
       return;
     }
     if (this._cancelIds.delete(detail.event_id) && detail.code === "no_response_in_flight") return;
-    this.errors.push(err);
-    if (this.errors.length > 64) this.errors.shift();
+    this._keep(err);
   }
 
   _onClose(event) {
+    // The server parks a resumable session (a resume takes it over, with a new machine) and ends any other.
+    this._machine.connectionLost();
     const recoverable = this.resilient && !this._userClosing && this.fatal === null && (this.closedEvent === null || this._moving);
     if (recoverable && this.created && this.opened) {
       // Drained: a new session, unless the server handed the session over (a session store
@@ -796,7 +1167,7 @@ export class RealtimeClient {
       }
       if (this._userClosing) return;
       if (answer.event) {
-        this._adopt(answer.event);
+        this._adopt(answer.event, answer.machine);
         return;
       }
       if (answer.refused === "session_not_found") {
@@ -815,23 +1186,24 @@ export class RealtimeClient {
     const result = deferred();
     const ws = this._dial();
     this._ws = ws;
+    const machine = new ClientMachine(); // the new connection's; it becomes the session's once adopted
     let greeted = false;
     let adopted = false;
     const timer = setTimeout(() => result.resolve({ failed: "timeout" }), this.openTimeoutMs);
     this._handshake = (event) => {
+      this._step(machine, event);
       if (event.type === "session.created" && !greeted) {
         greeted = true;
         this.created = event;
         const eventId = this._newId();
-        if (fresh) {
-          ws.send(JSON.stringify({ type: "session.open", event_id: eventId, ...this.opened.config }));
-        } else {
-          ws.send(JSON.stringify({ type: "session.resume", event_id: eventId, session_id: this.sessionId, resume_token: this._resumeToken }));
-        }
+        const ask = fresh
+          ? { type: "session.open", event_id: eventId, ...this.opened.config }
+          : { type: "session.resume", event_id: eventId, session_id: this.sessionId, resume_token: this._resumeToken };
+        ws.send(JSON.stringify(machine.send(ask)));
       } else if (event.type === "session.resumed" || event.type === "session.opened") {
         this._handshake = null; // what follows is the session's own traffic
         adopted = true;
-        result.resolve({ event });
+        result.resolve({ event, machine });
       } else if (event.type === "error") {
         result.resolve({ refused: event.error && event.error.code });
       } else if (event.type === "session.closed") {
@@ -863,15 +1235,17 @@ export class RealtimeClient {
     });
   }
 
-  /** Carry on with the session on the new socket; finish or resend the chunk in flight. */
-  _adopt(answer) {
+  /** Carry on with the session on the new socket and its machine; finish or resend the chunk in flight. */
+  _adopt(answer, machine) {
     this._recovering = false;
     this._moving = false;
     this.draining = null;
     this.closedEvent = null;
     const turn = this._turn;
     const pending = turn && !turn.finished;
-    const expected = turn && turn.ack ? turn.ack.frame_index : this._nextIndex;
+    // The index the chunk in flight has (or gets), by the old machine.
+    const expected = turn && turn.ack ? turn.ack.frame_index : this._machine.nextFrameIndex;
+    this._machine = machine;
     const ack = () => {
       if (turn.ack === null) turn.ack = { type: "input.ack", frame_index: expected, frame_id: turn.frameId, bytes: 0 };
     };
@@ -886,7 +1260,6 @@ export class RealtimeClient {
       this.resumes += 1;
       this._resumeToken = answer.resume_token;
       this.opened = { ...answer, type: "session.opened" };
-      this._nextIndex = answer.next_frame_index;
       if (pending) {
         const missed = answer.missed_response;
         if (missed && missed.frame_index === expected) {
@@ -914,7 +1287,6 @@ export class RealtimeClient {
       this.generation += 1;
       this.opened = answer;
       this._resumeToken = answer.resume_token ?? null;
-      this._nextIndex = 0;
       if (pending) {
         if (turn.ack === null) resend();
         else this._finishTurn(turn, null, localError("connection_lost", "the reply in flight was lost with the session", false));

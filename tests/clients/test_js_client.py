@@ -85,6 +85,7 @@ def test_the_packed_package_installs_and_resolves_with_its_types(tmp_path: Path)
         "realtime-client.d.ts",
         "protocol.d.ts",
         "protocol.schema.json",
+        "protocol.tables.json",
     }
     app = tmp_path / "app"
     app.mkdir()
@@ -92,11 +93,13 @@ def test_the_packed_package_installs_and_resolves_with_its_types(tmp_path: Path)
     tarball = tmp_path / packed[0]["filename"]
     run(npm, "install", "--offline", "--no-audit", "--no-fund", str(tarball), cwd=app)
     script = (
-        "import { RealtimeClient, ResponseStream, PROTOCOL_VERSION } from 'vllm-realtime-client';"
-        "console.log(typeof RealtimeClient, typeof ResponseStream, PROTOCOL_VERSION);"
+        "import { RealtimeClient, ResponseStream, ClientMachine, PROTOCOL_VERSION }"
+        " from 'vllm-realtime-client';"
+        "console.log(typeof RealtimeClient, typeof ResponseStream, PROTOCOL_VERSION,"
+        " new ClientMachine().state);"
     )
     out = run(node, "--input-type=module", "-e", script, cwd=app)
-    assert out.split() == ["function", "function", "2026-12-01"]
+    assert out.split() == ["function", "function", "2026-12-01", "connected"]
     (app / "use.ts").write_text(CONSUMER_TS)
     tsconfig = {
         "compilerOptions": {

@@ -1,8 +1,11 @@
 """The generated wire types stay what vllm_realtime_protocol/ gives: `make types` regenerates them.
 
 protocol.schema.json is pydantic's JSON Schema of every event; protocol.d.ts is compiled from it
-by npm's json-schema-to-typescript. A change to vllm_realtime_protocol/ without `make types` fails here, and
-so does a hand edit of either file.
+by npm's json-schema-to-typescript. protocol.tables.json is the session's transition tables
+(tables.py), and realtime-client.js carries a copy of it, which its ClientMachine runs on. A
+change to vllm_realtime_protocol/ without `make types` fails here, and so does a hand edit of
+any of them. The JS machine's replay fixture (clients/js/test/machine-sequences.json) stays
+what the Python machine gives.
 """
 
 from __future__ import annotations
@@ -13,12 +16,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.clients import machine_sequences
 from tests.clients.conftest import JS_DIR, need, need_tool
+from vllm_realtime_protocol import tables
 from vllm_realtime_protocol.events import CLIENT_EVENT_TYPES, SERVER_EVENT_TYPES
 from vllm_realtime_protocol.schema import render, wire_schema
 
 SCHEMA_FILE = JS_DIR / "protocol.schema.json"
 TYPES_FILE = JS_DIR / "protocol.d.ts"
+TABLES_FILE = JS_DIR / "protocol.tables.json"
+CLIENT_FILE = JS_DIR / "realtime-client.js"
+SEQUENCES_FILE = JS_DIR / "test" / "machine-sequences.json"
 REGENERATE = "run `make types` and commit the result"
 
 
@@ -73,7 +81,34 @@ def test_committed_typescript_is_what_the_schema_compiles_to(tmp_path: Path) -> 
 
 def test_the_package_ships_the_generated_types() -> None:
     package = json.loads((JS_DIR / "package.json").read_text(encoding="utf-8"))
-    assert {"protocol.d.ts", "protocol.schema.json"} <= set(package["files"])
+    assert {"protocol.d.ts", "protocol.schema.json", "protocol.tables.json"} <= set(
+        package["files"]
+    )
+
+
+def test_committed_tables_are_what_the_protocol_gives() -> None:
+    assert TABLES_FILE.read_text(encoding="utf-8") == tables.render(), REGENERATE
+    assert json.loads(TABLES_FILE.read_text(encoding="utf-8")) == tables.as_data()
+
+
+def test_the_js_client_runs_on_the_committed_tables() -> None:
+    """realtime-client.js's copy (between its BEGIN/END lines, written by
+    scripts/embed-tables.mjs) is protocol.tables.json, byte for byte."""
+    client = CLIENT_FILE.read_text(encoding="utf-8")
+    begin, end = "// BEGIN protocol.tables.json\n", "// END protocol.tables.json\n"
+    assert client.count(begin) == client.count(end) == 1
+    block = client[client.index(begin) + len(begin) : client.index(end)]
+    assert block == f"export const PROTOCOL_TABLES = {tables.render().rstrip()};\n", REGENERATE
+    assert "new ClientMachine()" in client  # and the client makes its machines of them
+
+
+def test_the_js_machines_fixture_is_what_the_python_machine_gives() -> None:
+    """The sequences clients/js/test/client-machine.test.mjs replays, with the Python
+    ClientProtocol's state after each step; regenerating also checks that the Python client
+    and server machines agree after every delivery of 80 seeded sequences."""
+    assert SEQUENCES_FILE.read_text(encoding="utf-8") == machine_sequences.render(), (
+        "run `python -m tests.clients.machine_sequences > clients/js/test/machine-sequences.json`"
+    )
 
 
 def test_the_pages_tuned_replies_are_what_the_model_was_tuned_on() -> None:

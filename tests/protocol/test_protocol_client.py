@@ -241,3 +241,67 @@ def test_a_chunk_in_flight_is_refused_locally_with_the_servers_code() -> None:
     else:
         raise AssertionError("a second chunk in flight was not refused")
     assert client.state is State.AWAITING_RESPONSE
+
+
+def test_an_update_while_a_chunk_awaits_its_ack_is_answered_in_order() -> None:
+    """Two sends unanswered at once: the server answers them in the order sent."""
+    from vllm_realtime_protocol import InputAckEvent, SessionUpdatedEvent
+
+    server, client = ScriptedServer(), ClientProtocol()
+    for event in server.sent:
+        client.receive(event)
+    opened = SessionOpenEvent(modality="text", event_id="o")
+    chunk = FrameAppendEvent(text="one", event_id="c")
+    update = SessionUpdateEvent(frame_format="png", event_id="u")
+    for event in (opened, chunk, update):
+        client.send(event)
+        server.client_event(event)
+    assert client.unanswered == (Input.SESSION_OPEN, Input.FRAME_APPEND, Input.SESSION_UPDATE)
+    acks = [e for e in server.sent if isinstance(e, InputAckEvent | SessionUpdatedEvent)]
+    assert len(acks) == 2
+    for event in server.sent[1:]:
+        client.receive(event)  # no InternalError: the ack goes to the chunk, updated to the update
+    assert client.unanswered == ()
+    assert client.state is server.proto.state is State.AWAITING_RESPONSE
+    assert client.in_flight_frame_index == 0 and client.next_frame_index == 1
+    assert client.config == server.proto.config
+
+
+def test_a_refused_chunk_before_an_unanswered_update_steps_the_update_again() -> None:
+    client = ClientProtocol()
+    client.send(SessionOpenEvent(modality="text", event_id="o"))
+    client.receive(ScriptedServer().sent[0])
+    client.send(FrameAppendEvent(text="one", event_id="c"))
+    client.send(SessionUpdateEvent(frame_format="png", event_id="u"))
+    refusal = error_event(CapacityExceeded("over the chunk budget", event_id="c"))
+    client.receive(refusal)
+    assert client.state is State.IDLE
+    assert client.unanswered == (Input.SESSION_OPEN, Input.SESSION_UPDATE)
+    # A late error echoing no unanswered send (a cancel's) undoes nothing.
+    client.receive(error_event(CapacityExceeded("late", event_id="x")))
+    assert client.state is State.IDLE
+
+
+def test_a_lost_connection_parks_a_resumable_session_and_ends_any_other() -> None:
+    from vllm_realtime_protocol import ResumableConfig, SessionConfig
+
+    for resumable, idle, in_flight in (
+        (True, State.PARKED, State.PARKED_AWAITING_RESPONSE),
+        (False, State.CLOSED, State.CLOSED),
+    ):
+        for chunk, expected in ((False, idle), (True, in_flight)):
+            client = ClientProtocol()
+            client.send(SessionOpenEvent(modality="text"))
+            client.config = SessionConfig(
+                modality="text", resumable=ResumableConfig(grace_s=5) if resumable else None
+            )
+            if chunk:
+                client.send(FrameAppendEvent(text="one"))
+            client.connection_lost()
+            assert client.state is expected, (resumable, chunk)
+            assert client.busy is (expected is State.PARKED_AWAITING_RESPONSE)
+            client.connection_lost()  # twice: nothing more happens
+            assert client.state is expected
+    never_opened = ClientProtocol()
+    never_opened.connection_lost()
+    assert never_opened.state is State.CLOSED

@@ -93,9 +93,9 @@ async function opened(options = {}) {
 
 let frameIndex = 0;
 /** Answer the last frame.append the way the server does: ack, created, deltas, done. */
-function reply(ws, { deltas = ["a ", "cat"], status = "completed", frameId = null } = {}) {
+function reply(ws, { deltas = ["a ", "cat"], status = "completed", frameId = null, ack = true } = {}) {
   const index = frameIndex++;
-  ws.emit({ type: "input.ack", event_id: "e", frame_index: index, frame_id: frameId, bytes: 10 });
+  if (ack) ws.emit({ type: "input.ack", event_id: "e", frame_index: index, frame_id: frameId, bytes: 10 });
   ws.emit({ type: "response.created", event_id: "e", frame_index: index, frame_id: frameId });
   for (const delta of deltas) ws.emit({ type: "response.text.delta", event_id: "e", frame_index: index, delta });
   ws.emit({
@@ -752,13 +752,14 @@ test("ResponseStream: a refused chunk throws from the loop; break leaves the rep
   assert.equal((await step).value.delta, "hi ");
   // leave the loop after the first delta (what `break` calls): the reply goes on
   await it.return();
-  frameIndex = index; // reply() continues the same chunk's index
-  reply(ws, { deltas: ["there"] });
+  frameIndex = index; // reply() continues the same chunk's index (acked above)
+  reply(ws, { deltas: ["there"], ack: false });
   const done = await first.result();
   assert.equal(done.text, "there");
   assert.equal(first.done, done);
   assert.equal(first.text, "hi there");
   assert.equal(client.busy, false);
+  assert.deepEqual(client.errors, []);
 });
 
 test("events(): every server event in order until the session ends; break unsubscribes", async () => {
@@ -815,4 +816,66 @@ test("a refused update rejects with the server's code and param; the session liv
   ws.emit({ type: "error", event_id: "e", error: { type: "invalid_request_error", code: "invalid_request", message: "over", event_id, session_survives: true, param: "sampling.max_tokens" } });
   await assert.rejects(pending, (err) => err.code === "invalid_request" && err.param === "sampling.max_tokens");
   assert.equal(client.closed, false);
+});
+
+test("update() while a chunk awaits its input.ack: both are answered, in order, by the machine", async () => {
+  const { client, ws } = await opened();
+  const pending = client.appendText("hello");
+  await tick();
+  assert.equal(client.machine.state, "awaiting_response");
+  const updating = client.update({ frameFormat: "png" });
+  await tick();
+  assert.deepEqual(client.machine.unanswered.map((s) => s.input), ["frame.append", "session.update"]);
+  const index = frameIndex;
+  reply(ws, { deltas: ["hi"] }); // its input.ack first: the server answers in the order sent
+  ws.emit({ type: "session.updated", event_id: "e", session_id: client.sessionId, config: { ...client.opened.config, frame_format: "png" } });
+  assert.equal((await pending).frame_index, index);
+  assert.equal((await updating).config.frame_format, "png");
+  assert.deepEqual([client.machine.state, client.machine.unanswered, client.machine.nextFrameIndex], ["idle", [], index + 1]);
+  assert.deepEqual(client.errors, []);
+});
+
+test("resilient: a crashed replica (no drain): the accepted chunk is sent again once after the resume, and said", async () => {
+  const { client, ws } = await resilient();
+  const pending = client.appendText("what now?", { frameId: "t0" });
+  await tick();
+  ws.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: "t0", bytes: 9 });
+  ws.serverClose(1006); // the replica died with the reply; the store is at the last response.done
+  assert.equal(client.machine.state, "parked_awaiting_response"); // its connection's machine
+  const resent = [];
+  client.on("resent", (e) => resent.push(e));
+  const warn = console.warn;
+  const warned = [];
+  console.warn = (line) => warned.push(line);
+  try {
+    const ws2 = await nextSocket(ws);
+    emitResumed(ws2, { next_frame_index: 0, rebuilt: true }); // "send chunk 0 again"
+    await tick();
+    const again = ws2.lastJson();
+    assert.deepEqual([again.type, again.text, again.frame_id], ["frame.append", "what now?", "t0"]);
+    assert.deepEqual(resent, [{ frame_index: 0, frame_id: "t0" }]);
+    assert.equal(warned.length, 1);
+    assert.match(warned[0], /chunk 0 was lost with its server/);
+    assert.equal(client.machine.state, "awaiting_response"); // the new connection's machine
+    ws2.emit({ type: "input.ack", event_id: "e", frame_index: 0, frame_id: "t0", bytes: 9 });
+    ws2.emit(DONE(0, "answered"));
+    assert.equal((await pending).text, "answered");
+    assert.equal(client.chunksResent, 1);
+    assert.equal(client.machine.state, "idle");
+  } finally {
+    console.warn = warn;
+  }
+});
+
+test("resilient: between the drop and the resume the machine is parked; update() says reconnecting", async () => {
+  const { client, ws } = await resilient();
+  ws.serverClose(1006);
+  assert.equal(client.machine.state, "parked");
+  const ws2 = await nextSocket(ws);
+  assert.equal(ws2.lastJson().type, "session.resume");
+  await assert.rejects(client.update({ frameFormat: "png" }), (err) => err.code === "reconnecting" && err.local);
+  emitResumed(ws2);
+  await tick();
+  assert.equal(client.machine.state, "idle");
+  assert.deepEqual(client.errors, []);
 });

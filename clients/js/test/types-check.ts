@@ -7,7 +7,18 @@ import RealtimeClientDefault, {
   type ErrorCode,
   type ServerEvent,
   sniffMedia,
+  ClientMachine,
+  PROTOCOL_TABLES,
+  type SessionState,
 } from "../realtime-client.js";
+
+export function machine(client: RealtimeClient): SessionState {
+  const own = new ClientMachine(PROTOCOL_TABLES);
+  own.send({ type: "session.open", event_id: "e1" });
+  const next: number = client.machine.nextFrameIndex;
+  console.log(next, own.busy, own.unanswered[0]?.input);
+  return client.machine.state;
+}
 
 export async function demo(url: string, jpeg: Blob): Promise<number | null> {
   const client: RealtimeClient = await RealtimeClient.connect(url, { apiKey: "k", timeoutMs: 5000 });

@@ -615,6 +615,9 @@ class RealtimeSession(SessionForms):
         """Step ``proto`` and send each item on ``ws`` under the send lock (an announcement and
         its binary payload stay together); a refusal by the machine raises before the socket."""
         async with self._send_lock:
+            if proto.state in (State.PARKED, State.PARKED_AWAITING_RESPONSE):
+                # The server holds the session for a resume, which takes a new connection.
+                raise ConnectionLost("the connection is gone; the session is being resumed")
             for item in items:
                 if isinstance(item, bytes):
                     await ws.send(proto.send_binary(item))
@@ -721,6 +724,9 @@ class RealtimeSession(SessionForms):
         try:
             while True:
                 reason = await self._read_socket(self._ws)
+                # The server parks a resumable session (a resume takes it over, with a new
+                # machine) and ends any other.
+                self._proto.connection_lost()
                 if self._user_closing or not self.resilient or self._fatal is not None:
                     break
                 if self.closed is not None:
