@@ -100,7 +100,7 @@ def redis_url(redis_server: tuple[Any, str]) -> str:
 
 class RestartableRedis:
     """redis-server on a fixed port and directory, which a test stops and starts again (with
-    its data, or without: a restart that lost everything)."""
+    its data, or without: a restart that lost everything), or hangs."""
 
     def __init__(self, tmp: Path) -> None:
         self.dir, self.port = tmp, free_port()
@@ -110,6 +110,11 @@ class RestartableRedis:
     def start(self) -> None:
         self.proc, url = start_redis(self.dir, self.port)
         assert url == self.url
+
+    def hang(self, hung: bool) -> None:
+        """SIGSTOP (it accepts connections and answers nothing) or SIGCONT."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP if hung else signal.SIGCONT)
 
     def stop(self, *, keep_data: bool) -> None:
         """Kill it (no goodbye, no save at shutdown); `keep_data`: SAVE first, so the next

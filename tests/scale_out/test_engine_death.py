@@ -3,7 +3,9 @@ replicas of the default model (`smol-qwen2-vl`) on loopback share one real redis
 this module stops and starts again; the SDK reaches them through nginx with the shipped router
 config (docker/nginx/realtime.conf).
 
-* Redis is stopped for 30 s mid-session and comes back with its data: a text and a video
+* Redis hangs (SIGSTOP) for 10 s: the session is served, each turn slowed by at most one socket
+  timeout (3 s, the first) then by the outage's short waits. Then Redis is stopped for 30 s
+  mid-session and comes back with its data: a text and a video
   session are served throughout, their replies during the outage say `stored: false` (no
   error, no other event than a normal turn's), a resume on the other replica meanwhile gets
   `capacity_exceeded` (retryable, the token still works), and the keeper writes the missed
@@ -143,6 +145,30 @@ async def test_redis_outages_mid_session(
     await show(video, 0)
     assert (await show(video, 1))["stored"] is True
     texts, frames = 1, 2
+    # 0. Redis hangs (SIGSTOP: connections open, no answer) for about 10 s.
+    redis.hang(True)
+    hung = time.monotonic()
+    slow: list[str] = []
+    try:
+        while time.monotonic() - hung < 10:
+            started = time.monotonic()
+            events = await turn_events(ws, "Tell me a colour.")
+            texts += 1
+            assert events[-1]["type"] == "response.done", events
+            assert events[-1]["stored"] is False, events
+            engine_ms = events[-1]["timing"]["total_ms"]
+            slow.append(
+                f"{time.monotonic() - started:.1f} s (engine {engine_ms / 1e3:.1f} s): "
+                f"{summary(events)}"
+            )
+    finally:
+        redis.hang(False)
+    took = await wait_stored(redis_client, sid, texts)
+    print(
+        f"redis hung {time.monotonic() - hung - took:.1f} s: each turn's wall time\n  "
+        + "\n  ".join(slow)
+        + f"\n  the missed fold written {took:.1f} s after SIGCONT"
+    )
     # 1. Redis is stopped for 30 s, then started again with its data (SAVE before the kill).
     redis.stop(keep_data=True)
     stopped = time.monotonic()
