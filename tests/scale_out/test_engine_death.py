@@ -256,6 +256,8 @@ async def test_a_slow_reader_holds_no_memory(pair: list[Replica]) -> None:
                 for _ in range(5000):
                     await slow.send(frame)
                     sent += 1
+                    if sent % 100 == 0:
+                        await asyncio.sleep(0)  # the other client's task runs meanwhile
 
     async def sample() -> None:
         nonlocal peak
