@@ -22,6 +22,7 @@ import functools
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -376,6 +377,20 @@ async def _started_hub(engine: Any, config: ServerConfig, model_name: str) -> Se
     return hub
 
 
+def _exit_now(status: int) -> None:
+    """End the process at once, its log flushed. After the engine died nothing of it is left to
+    stop cleanly, and the interpreter's own teardown took 6 s more here (2-core machine:
+    docs/history/engine-death.md), all of it time before the supervisor's restart.
+    multiprocessing's resource tracker, a process of its own, still frees the shared memory
+    left behind once this process's end closes its pipe."""
+    log.error("exiting with status %d", status)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
 def run_server(config: ServerConfig, settings: Any) -> int:
     """Start the engine and serve until interrupted (one process: the registry is per process);
     the exit status (0, or `ENGINE_DEAD_EXIT_STATUS` once the engine died)."""
@@ -449,6 +464,8 @@ def run_server(config: ServerConfig, settings: Any) -> int:
             # dead engine has nothing left to stop cleanly.
             engine.shutdown(timeout=15 if shared.engine_dead_at is None else 2)
             log.info("engine shut down in %.1f s", time.monotonic() - stopping)
+        if shared.engine_dead_at is not None:
+            _exit_now(ENGINE_DEAD_EXIT_STATUS)
         # AsyncLLM.__del__ shuts down once more; left to the interpreter's teardown it ran with
         # vLLM's module globals already cleared and printed a TypeError traceback.
         dead = shared.engine_dead_at is not None
