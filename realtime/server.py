@@ -96,7 +96,7 @@ class EngineDeathExit:
     """How a serve process leaves once its engine died: `arm` starts the timer that exits it
     with ENGINE_DEAD_EXIT_STATUS at the latest ENGINE_DEAD_EXIT_DEADLINE_S later (from the
     moment the engine is found dead); `stop` ends uvicorn's loop once sessions are handed
-    over (run_server then stops the engine and returns the status)."""
+    over (run_server then stops what is left of the engine and exits with that status)."""
 
     arm: Callable[[], None]
     stop: Callable[[], None]
@@ -367,7 +367,7 @@ async def _engine_died(hub: SessionHub, shared: _App) -> None:
             ENGINE_DEAD_DRAIN_S,
         )
     if leaving is not None:
-        log.error("exiting with status %d (the engine is gone)", ENGINE_DEAD_EXIT_STATUS)
+        log.error("the engine is gone: stopping the server")
         leaving.stop()
 
 
