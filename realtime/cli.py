@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from retention.policy import CONSOLIDATION_MODES
@@ -269,10 +270,22 @@ def _add_operation_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
-        default=os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0") not in ("", "0"),
+        default=keep_alive_from_env(os.environ),
         help="stay up after the engine died (503 on /health, engine_error to new sessions) "
         "instead of exiting with status 3; default from VLLM_KEEP_ALIVE_ON_ENGINE_DEATH",
     )
+
+
+def keep_alive_from_env(env: Mapping[str, str]) -> bool:
+    """`VLLM_KEEP_ALIVE_ON_ENGINE_DEATH` read as vLLM reads it (an integer, 0 by default), so
+    one setting means the same to both; an unreadable value is refused, as vLLM refuses it."""
+    raw = env.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "0").strip() or "0"
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise SystemExit(
+            f"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH must be an integer (0 or 1), got {raw!r}"
+        ) from None
 
 
 def _add_checkpoint_flags(serve: argparse.ArgumentParser) -> None:

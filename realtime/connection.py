@@ -162,8 +162,9 @@ class Connection:
         """Serve this socket; the Connection it was handed to by session.resume, if any (the
         caller then goes on with `serve_resumed` of that one, on the same socket)."""
         await self.send(self.proto.greeting())
-        if self.lifecycle.draining:
-            # Connected while the server drains: told at once, instead of a refused open.
+        if self.lifecycle.draining and self.lifecycle.engine_failure is None:
+            # Connected while the server drains: told at once, instead of a refused open. (The
+            # engine is dead: the open gets engine_error, as its answer.)
             await self.begin_drain(self.lifecycle.seconds_left())
         return await self._serve(self.ws)
 
@@ -516,7 +517,13 @@ class Connection:
 
     async def begin_drain(self, seconds_left: float) -> None:
         """The server is shutting down: say so, and close now unless a reply is in flight
-        (then `_run_turn` closes right after its response.done)."""
+        (then `_run_turn` closes right after its response.done). After the engine died
+        (realtime/drain.py, `drain_dead_engine`): hand over at once, or end with engine_error."""
+        if not self.closed and (why := self.lifecycle.engine_failure) is not None:
+            if not await self.hand_over_lost_engine():
+                await self.send_error(EngineError(f"the engine is down: {why}"))
+                await self.finish(self.proto.server_close("engine_error"))
+            return
         if self.closed or self.draining:
             return
         self.draining = True
@@ -538,9 +545,11 @@ class Connection:
             return self.lost_engine
         if self.session.fence is None or not self.session.store_ok:
             return False
+        told = self.draining  # a drain under way already said server.draining (handover)
         self.draining = self.lost_engine = True
         log.warning("engine died: session handed over id=%s", self.proto.session_id[:12])
-        await self.send(ServerDrainingEvent(seconds_left=0.0, handover=True))
+        if not told:
+            await self.send(ServerDrainingEvent(seconds_left=0.0, handover=True))
         await self.finish(self.proto.server_close("server_shutdown"), socket_gone=self.parked)
         return True
 

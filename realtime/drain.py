@@ -19,6 +19,15 @@ its shutdown, so SIGTERM killed the process (status -15) before the engine was s
 
 A second signal skips the wait (step 3 at once). Engine processes ignore SIGINT and follow the
 server's death on their own (`retention/vllm_adapter/lifecycle.py`).
+
+A dead engine is drained the same way, with no time left (`drain_dead_engine`):
+`Lifecycle.lose_engine` stops admission (new sessions get `engine_error`; on replicas sharing a
+store new handshakes get 503, so the router tries another) and sets the deadline to now, and
+each connection's `begin_drain` sees the lost engine: a stored session whose record is at its
+last fold is handed over as a drain hands it over (`server.draining` with `handover`,
+`session.closed` `server_shutdown`, its record kept), at once, since no reply can finish; any
+other session ends with `engine_error`. The server then exits (realtime/server.py) unless it is
+kept up.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from typing import Any, Protocol
 import uvicorn
 from uvicorn.server import Server
 
-from vllm_realtime_protocol import CapacityExceeded
+from vllm_realtime_protocol import CapacityExceeded, EngineError
 
 log = logging.getLogger("vllm_realtime")
 
@@ -48,11 +57,20 @@ class Lifecycle:
         self.draining = False
         self.deadline: float | None = None
         self.forced = asyncio.Event()
+        # Why the engine died, once it did: the drain then has no time left (no reply can
+        # finish) and sessions are refused with engine_error, not capacity_exceeded.
+        self.engine_failure: str | None = None
 
     def start_drain(self) -> None:
         if not self.draining:
             self.draining = True
             self.deadline = time.monotonic() + self.drain_timeout_s
+
+    def lose_engine(self, why: str) -> None:
+        """The engine died: drain now (also when a drain was already under way)."""
+        self.engine_failure = why
+        self.start_drain()
+        self.deadline = time.monotonic()
 
     def seconds_left(self) -> float:
         if self.deadline is None:
@@ -60,7 +78,10 @@ class Lifecycle:
         return max(0.0, self.deadline - time.monotonic())
 
     def check_admitting(self, event_id: str | None = None) -> None:
-        """Raise capacity_exceeded while draining: retry elsewhere, or here once restarted."""
+        """Raise capacity_exceeded while draining: retry elsewhere, or here once restarted;
+        engine_error once the engine died."""
+        if self.engine_failure is not None:
+            raise EngineError(f"the engine is down: {self.engine_failure}", event_id=event_id)
         if self.draining:
             raise CapacityExceeded(
                 "the server is shutting down; open the session again (another replica, or this "
@@ -75,7 +96,10 @@ class Drainable(Protocol):
     @property
     def closed(self) -> bool: ...
 
-    async def begin_drain(self, seconds_left: float) -> None: ...
+    async def begin_drain(self, seconds_left: float) -> None:
+        """Say `server.draining`; close at once if idle. Once the engine died
+        (`Lifecycle.engine_failure`): hand a stored session over at once, or end it with
+        engine_error."""
 
     async def close_for_shutdown(self) -> None: ...
 
@@ -124,6 +148,18 @@ async def drain(
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(lifecycle.forced.wait(), timeout=0.05)
     log.info("drain finished")
+
+
+async def drain_dead_engine(
+    lifecycle: Lifecycle,
+    connections: Collection[Drainable],
+    http_sessions: MutableMapping[str, Any],
+    close_http: Callable[[Any], Awaitable[None]],
+    why: str,
+) -> None:
+    """The engine died: `drain` with no time left (the module docstring's last paragraph)."""
+    lifecycle.lose_engine(why)
+    await drain(lifecycle, connections, http_sessions, close_http)
 
 
 class DrainingServer(Server):  # type: ignore[misc]  # reason: mypy skips uvicorn here (Any)

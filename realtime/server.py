@@ -3,10 +3,12 @@
 Every route is a thin transport over one `SessionHub` (realtime/hub.py: the one session
 registry, admission, the turn runner): `/v1/realtime` (WebSocket, realtime/connection.py), the
 HTTP adapter (realtime/http_api.py), plus `/health`, `/metrics`, client secrets and the demo
-page. Fail-closed: an engine failure closes every session with an `error`; shutdown drains.
+page. Fail-closed: shutdown drains, and so does an engine failure, with no time left.
 
-A dead engine (docs/reliability.md): stored sessions are handed over (`server.draining` with
-`handover`, their record kept), the others get `engine_error`; then the process exits with
+A dead engine (docs/reliability.md; the watchdog looks once a second, and a turn that meets it
+hands its own session over at once): the server drains with no time left (realtime/drain.py,
+`drain_dead_engine`): stored sessions are handed over (`server.draining` with `handover`, their
+record kept), the others get `engine_error`; then the process exits with
 `ENGINE_DEAD_EXIT_STATUS`, so a supervisor's restart policy brings the replica back, unless
 `--keep-alive-on-engine-death` (vLLM's `VLLM_KEEP_ALIVE_ON_ENGINE_DEATH`) keeps it up, answering
 503 on /health and `engine_error` to new sessions.
@@ -20,10 +22,12 @@ import functools
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +38,7 @@ from fastapi.staticfiles import StaticFiles
 from realtime.client_secrets import SECRET_PREFIX, ClientSecrets
 from realtime.config import ServerConfig
 from realtime.connection import Connection
-from realtime.drain import Lifecycle, drain
+from realtime.drain import Lifecycle, drain, drain_dead_engine
 from realtime.http_api import REQUEST_MODELS, document_request_bodies, http_router
 from realtime.hub import SessionHub
 from realtime.resumption import ResumeTokens
@@ -50,12 +54,10 @@ from realtime.web import (
 from vllm_realtime_protocol import (
     ClientSecret,
     ClientSecretRequest,
-    EngineError,
     ErrorEvent,
     InvalidEvent,
     RealtimeError,
     SessionConfig,
-    State,
     Unauthorized,
     api_key_from_handshake,
     select_subprotocol,
@@ -80,9 +82,24 @@ log = logging.getLogger("vllm_realtime")
 STATIC_DIR = Path(__file__).parent / "static"
 ENGINE_DEAD_EXIT_STATUS = 3
 """The server's exit status after its engine died (not 1: a crash of the server itself)."""
-ENGINE_DEAD_EXIT_DEADLINE_S = 20.0
-"""At most this long from the server's stop to its exit, once the engine died."""
+ENGINE_DEAD_EXIT_DEADLINE_S = 30.0
+"""At most this long from finding the engine dead to the process's exit, whatever hangs (the
+hand-over, uvicorn's stop, the dead engine's stop): a timer then exits the process."""
+ENGINE_DEAD_DRAIN_S = 10.0
+"""At most this long for a dead engine's drain before the server stops anyway: a socket that
+takes nothing (a client that never reads) must not hold the exit up."""
 _redact_path = redact_path  # the name the security tests know
+
+
+@dataclass(frozen=True)
+class EngineDeathExit:
+    """How a serve process leaves once its engine died: `arm` starts the timer that exits it
+    with ENGINE_DEAD_EXIT_STATUS at the latest ENGINE_DEAD_EXIT_DEADLINE_S later (from the
+    moment the engine is found dead); `stop` ends uvicorn's loop once sessions are handed
+    over (run_server then stops what is left of the engine and exits with that status)."""
+
+    arm: Callable[[], None]
+    stop: Callable[[], None]
 
 
 class _App:
@@ -97,7 +114,7 @@ class _App:
         # Set once the engine is found dead; `exit_on_engine_death` (set by run_server unless
         # the operator keeps the server up) then stops the server.
         self.engine_dead_at: float | None = None
-        self.exit_on_engine_death: Callable[[], None] | None = None
+        self.exit_on_engine_death: EngineDeathExit | None = None
 
     def require_key(self, request: Request) -> JSONResponse | None:
         if key_accepted(self.config, http_key(request)):
@@ -226,10 +243,12 @@ def _add_realtime_routes(app: FastAPI, shared: _App) -> None:
             # Refuse in the handshake: the client learns 403, nothing else.
             await ws.close(code=1008)
             return
-        if shared.lifecycle.draining and shared.config.session_store is not None:
-            # Replicas share a session store: a draining one refuses the handshake with 503, so
-            # the router sends the connection (a session.resume after server.draining, too) to
-            # another replica (docker/nginx/realtime.conf: proxy_next_upstream http_503).
+        draining = shared.lifecycle.draining or not _hub(ws).healthy
+        if draining and shared.config.session_store is not None:
+            # Replicas share a session store: a draining one (or one whose engine died) refuses
+            # the handshake with 503, so the router sends the connection (a session.resume
+            # after server.draining, too) to another replica (docker/nginx/realtime.conf:
+            # proxy_next_upstream http_503).
             await ws.send_denial_response(JSONResponse({"status": "draining"}, status_code=503))
             return
         await ws.accept(subprotocol=select_subprotocol(offered))
@@ -312,10 +331,6 @@ async def _watch(hub: SessionHub, shared: _App) -> None:
 async def _watch_once(hub: SessionHub, shared: _App) -> None:
     if not await hub.check_engine():
         await _engine_died(hub, shared)
-        # HTTP sessions too: they used to stay registered until their idle timeout.
-        for record in hub.of_transport("http").values():
-            if not record.lock.locked():
-                await hub.close_session(record)
         return
     now = time.monotonic()
     for record in hub.of_transport("http").values():
@@ -324,31 +339,56 @@ async def _watch_once(hub: SessionHub, shared: _App) -> None:
 
 
 async def _engine_died(hub: SessionHub, shared: _App) -> None:
-    """Hand the stored sessions over, end the others with engine_error, then stop the server
-    (unless it is kept up). Concurrently: one slow socket must not hold up the rest."""
+    """Drain with no time left (realtime/drain.py, `drain_dead_engine`): stored sessions are
+    handed over, the others end with engine_error, HTTP sessions are closed; then stop the
+    server (unless it is kept up)."""
     first = shared.engine_dead_at is None
+    leaving = shared.exit_on_engine_death if first else None
     if first:
         shared.engine_dead_at = time.monotonic()
-        if shared.exit_on_engine_death is not None:
-            # Replicas sharing a store: new handshakes get 503 (the router tries another).
-            shared.lifecycle.start_drain()
-
-    async def end(conn: Connection) -> None:
-        if conn.proto.state is State.CLOSED or await conn.hand_over_lost_engine():
-            return
-        await conn.send_error(EngineError(f"the engine is down: {hub.engine_failure}"))
-        await conn.finish(conn.proto.server_close("engine_error"))
-
-    await asyncio.gather(*(end(c) for c in list(shared.connections)), return_exceptions=True)
-    if first and shared.exit_on_engine_death is not None:
-        log.error("exiting with status %d (the engine is gone)", ENGINE_DEAD_EXIT_STATUS)
-        shared.exit_on_engine_death()
+        if leaving is not None:
+            leaving.arm()
+    elif not shared.connections and not hub.of_transport("http"):
+        return  # kept up: nothing opened since the last round
+    try:
+        await asyncio.wait_for(
+            drain_dead_engine(
+                shared.lifecycle,
+                shared.connections,
+                hub.of_transport("http"),
+                hub.close_session,
+                hub.engine_failure or "unknown",
+            ),
+            timeout=ENGINE_DEAD_DRAIN_S,
+        )
+    except TimeoutError:
+        log.warning(
+            "the dead engine's drain took over %.0f s (a socket that takes nothing?); going on",
+            ENGINE_DEAD_DRAIN_S,
+        )
+    if leaving is not None:
+        log.error("the engine is gone: stopping the server")
+        leaving.stop()
 
 
 async def _started_hub(engine: Any, config: ServerConfig, model_name: str) -> SessionHub:
     hub = SessionHub(engine, config, model_name=model_name)
     await hub.start()
     return hub
+
+
+def _exit_now(status: int) -> None:
+    """End the process at once, its log flushed. After the engine died nothing of it is left to
+    stop cleanly, and the interpreter's own teardown took 6 s more here (2-core machine:
+    docs/history/engine-death.md), all of it time before the supervisor's restart.
+    multiprocessing's resource tracker, a process of its own, still frees the shared memory
+    left behind once this process's end closes its pipe."""
+    log.error("exiting with status %d", status)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def run_server(config: ServerConfig, settings: Any) -> int:
@@ -393,19 +433,27 @@ def run_server(config: ServerConfig, settings: Any) -> int:
     )
     server.on_force(app.state.lifecycle.forced.set)
     shared: _App = app.state.shared
-    if not config.keep_alive_on_engine_death:
-        shared.exit_on_engine_death = functools.partial(setattr, server, "should_exit", True)
-    try:
-        server.run()
-    finally:
-        if shared.engine_dead_at is not None:
-            # Whatever of the dead engine's stop hangs, the process exits: a supervisor's
-            # restart policy is what brings the replica back.
+    armed: list[threading.Timer] = []
+
+    def arm() -> None:
+        """Whatever hangs once the engine died, the process exits: a supervisor's restart
+        policy is what brings the replica back."""
+        if not armed:
             deadline = threading.Timer(
                 ENGINE_DEAD_EXIT_DEADLINE_S, os._exit, (ENGINE_DEAD_EXIT_STATUS,)
             )
             deadline.daemon = True  # a normal exit does not wait for it
             deadline.start()
+            armed.append(deadline)
+
+    if not config.keep_alive_on_engine_death:
+        stop = functools.partial(setattr, server, "should_exit", True)
+        shared.exit_on_engine_death = EngineDeathExit(arm=arm, stop=stop)
+    try:
+        server.run()
+    finally:
+        if shared.engine_dead_at is not None:
+            arm()  # kept up until a signal stopped it: the same bound from here
         # Stop EngineCore and its worker (vLLM sends SIGTERM and waits); before, SIGTERM killed
         # the server first and left them running, reparented to init.
         for engine in engines:
@@ -416,6 +464,8 @@ def run_server(config: ServerConfig, settings: Any) -> int:
             # dead engine has nothing left to stop cleanly.
             engine.shutdown(timeout=15 if shared.engine_dead_at is None else 2)
             log.info("engine shut down in %.1f s", time.monotonic() - stopping)
+        if shared.engine_dead_at is not None:
+            _exit_now(ENGINE_DEAD_EXIT_STATUS)
         # AsyncLLM.__del__ shuts down once more; left to the interpreter's teardown it ran with
         # vLLM's module globals already cleared and printed a TypeError traceback.
         dead = shared.engine_dead_at is not None

@@ -325,7 +325,7 @@ class Session:
         while not self.closed and self.fence is not None:
             await asyncio.sleep(period)
             try:
-                held = await store.refresh(self.session_id, self.fence, self.grace())
+                held = await store.refresh(self.session_id, self.fence, self.grace(), probe=True)
                 if held and not self.store_ok:
                     await self._rewrite()  # Redis is back: the folds it missed, at once
                 elif not held:

@@ -31,7 +31,11 @@ refused). Close and expiry delete the hash (fenced), and Redis' TTL removes what
 left: nothing of a session outlives its grace period.
 
 When the store stops answering, the owner keeps serving its sessions; their writes fail and are
-retried (the keeper rewrites the last fold once Redis answers again). A store that restarted
+retried (the keeper rewrites the last fold once Redis answers again). Once a call failed, the
+calls a turn waits for (the check before it, the write after it) wait at most
+`OUTAGE_CALL_TIMEOUT_S` until a call succeeds again: a Redis that hangs instead of refusing
+would otherwise cost every turn two socket timeouts. The keeper's refresh (`probe`) waits the
+whole socket timeout, so a slow Redis still ends the outage. A store that restarted
 without the hash (a new `run_id`, no persistence, or the TTL passed while it was down) gets the
 whole record again from its owner (`lost`, `recreate`): only a restart can make a held hash
 vanish without a claim, so no second writer comes of it.
@@ -39,13 +43,14 @@ vanish without a claim, so no second writer comes of it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlparse
 
 from retention.records import SessionSnapshot
@@ -53,6 +58,10 @@ from vllm_realtime_protocol import SessionConfig
 
 log = logging.getLogger("vllm_realtime")
 
+T = TypeVar("T")
+
+OUTAGE_CALL_TIMEOUT_S = 0.5
+"""While the store is failing, how long a call on a turn's path waits (module docstring)."""
 _PREFIX = "vrt:session:"
 _FRAME = "frame:"
 
@@ -221,6 +230,21 @@ class SessionStore:
         self._write = client.register_script(_FENCED_WRITE)
         self._recreate = client.register_script(_RECREATE)
         self.bytes_written_last = 0
+        # The last call failed (refused, or timed out): Redis is down or does not answer.
+        self.failing = False
+
+    async def _call(self, call: Awaitable[T], *, probe: bool = False) -> T:
+        """One call to Redis, noting whether the store is failing (the module docstring)."""
+        try:
+            if self.failing and not probe:
+                result = await asyncio.wait_for(call, OUTAGE_CALL_TIMEOUT_S)
+            else:
+                result = await call
+        except Exception:
+            self.failing = True
+            raise
+        self.failing = False
+        return result
 
     @classmethod
     def connect(cls, url: str, replica: str) -> SessionStore:
@@ -244,7 +268,7 @@ class SessionStore:
 
     async def run_id(self) -> str:
         """The Redis server's run id: a new one after each restart (which may have lost data)."""
-        info = await self.redis.info("server")
+        info = await self._call(self.redis.info("server"))
         return str(info.get("run_id", ""))
 
     async def lost(self, session_id: str, run_id: str | None) -> bool:
@@ -253,7 +277,7 @@ class SessionStore:
         (closed, or claimed elsewhere and closed there): only a lost one may be `recreate`d."""
         if run_id is None or await self.run_id() == run_id:
             return False
-        return not await self.redis.exists(self.key(session_id))
+        return not await self._call(self.redis.exists(self.key(session_id)))
 
     async def recreate(
         self,
@@ -282,7 +306,9 @@ class SessionStore:
         ]
         for index, data in frames.items():
             pairs += [_FRAME + str(index), base64.b64encode(data).decode("ascii")]
-        ok = await self._recreate(keys=[self.key(session_id)], args=[_ms(grace_s), *pairs])
+        ok = await self._call(
+            self._recreate(keys=[self.key(session_id)], args=[_ms(grace_s), *pairs])
+        )
         return bool(ok)
 
     @staticmethod
@@ -305,7 +331,7 @@ class SessionStore:
             pipe.delete(key)
             pipe.hset(key, mapping=mapping)
             pipe.pexpire(key, _ms(grace_s))
-            await pipe.execute()
+            await self._call(pipe.execute())
         return 1
 
     async def claim(
@@ -313,9 +339,11 @@ class SessionStore:
     ) -> Claim | None:
         """Take the session over if `token` and `owner` match (rotating the token to
         `new_token`); None for every refusal alike."""
-        got = await self._claim(
-            keys=[self.key(session_id)],
-            args=[digest(token), digest(owner), digest(new_token), self.replica, _ms(grace_s)],
+        got = await self._call(
+            self._claim(
+                keys=[self.key(session_id)],
+                args=[digest(token), digest(owner), digest(new_token), self.replica, _ms(grace_s)],
+            )
         )
         if not got:
             return None
@@ -344,28 +372,37 @@ class SessionStore:
         for index, data in (frames or {}).items():
             pairs += [_FRAME + str(index), base64.b64encode(data).decode("ascii")]
         self.bytes_written_last = sum(len(p) for p in pairs[1::2])
-        ok = await self._write(
-            keys=[self.key(session_id)], args=[fence, _ms(grace_s), len(drop), *drop, *pairs]
+        ok = await self._call(
+            self._write(
+                keys=[self.key(session_id)], args=[fence, _ms(grace_s), len(drop), *drop, *pairs]
+            )
         )
         return bool(ok)
 
-    async def refresh(self, session_id: str, fence: int, grace_s: float) -> bool:
-        """Keep a held session's hash for one more grace period; False if it is not ours."""
-        ok = await self._set(keys=[self.key(session_id)], args=[fence, _ms(grace_s)])
+    async def refresh(
+        self, session_id: str, fence: int, grace_s: float, *, probe: bool = False
+    ) -> bool:
+        """Keep a held session's hash for one more grace period; False if it is not ours.
+        `probe`: the keeper's, which waits the whole socket timeout during an outage."""
+        ok = await self._call(
+            self._set(keys=[self.key(session_id)], args=[fence, _ms(grace_s)]), probe=probe
+        )
         return bool(ok)
 
     async def give_back(self, session_id: str, fence: int, token: str, grace_s: float) -> bool:
         """Undo a claim this replica could not serve (no room): the presented token works
         again, so the client can try another replica."""
-        ok = await self._set(
-            keys=[self.key(session_id)],
-            args=[fence, _ms(grace_s), "token", digest(token), "lease", ""],
+        ok = await self._call(
+            self._set(
+                keys=[self.key(session_id)],
+                args=[fence, _ms(grace_s), "token", digest(token), "lease", ""],
+            )
         )
         return bool(ok)
 
     async def delete(self, session_id: str, fence: int) -> bool:
         """The session closed or expired here: remove it, unless another replica holds it."""
-        return bool(await self._delete(keys=[self.key(session_id)], args=[fence]))
+        return bool(await self._call(self._delete(keys=[self.key(session_id)], args=[fence])))
 
 
 def _ms(seconds: float) -> int:

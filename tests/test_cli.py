@@ -31,6 +31,16 @@ def test_engine_guards_refuse_unservable_configs() -> None:
             build_engine_args(EngineSettings(model="tiny-qwen2-vl", extra=extra))
 
 
+def test_keep_alive_on_engine_death_reads_vllms_variable_as_vllm_does() -> None:
+    from realtime.cli import keep_alive_from_env
+
+    assert keep_alive_from_env({}) is False
+    for raw, kept in (("0", False), ("", False), ("1", True), (" 1 ", True), ("2", True)):
+        assert keep_alive_from_env({"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": raw}) is kept, raw
+    with pytest.raises(SystemExit, match="must be an integer"):
+        keep_alive_from_env({"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "yes"})
+
+
 def test_cpu_default_block_size_is_32_and_a_given_one_wins() -> None:
     from realtime.engine import CPU_DEFAULT_BLOCK_SIZE, EngineSettings, build_engine_args
 

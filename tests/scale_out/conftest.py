@@ -98,6 +98,76 @@ def redis_url(redis_server: tuple[Any, str]) -> str:
     return redis_server[1]
 
 
+class RestartableRedis:
+    """redis-server on a fixed port and directory, which a test stops and starts again (with
+    its data, or without: a restart that lost everything), or hangs."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.dir, self.port = tmp, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc, url = start_redis(self.dir, self.port)
+        assert url == self.url
+
+    def hang(self, hung: bool) -> None:
+        """SIGSTOP (it accepts connections and answers nothing) or SIGCONT."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP if hung else signal.SIGCONT)
+
+    def stop(self, *, keep_data: bool) -> None:
+        """Kill it (no goodbye, no save at shutdown); `keep_data`: SAVE first, so the next
+        start loads what it held."""
+        assert self.proc is not None
+        if keep_data:
+            import redis as sync_redis
+
+            with sync_redis.Redis(port=self.port) as client:
+                client.save()
+        else:
+            (self.dir / "dump.rdb").unlink(missing_ok=True)
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        if not keep_data:
+            (self.dir / "dump.rdb").unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def restartable_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RestartableRedis]:
+    """A module's redis-server that its tests may stop and start again. A module that uses it
+    names it as its `redis_url` too (`redis_url = restartable_redis_url`), so `redis_client`
+    and the replicas reach it."""
+    server = RestartableRedis(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.terminate()
+            server.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def nginx_router(logdir: Path, ports: list[int]) -> Iterator[str]:
+    """Debian's nginx with the shipped router config (docker/nginx/realtime.conf) over the
+    replicas on `ports`; its WebSocket URL. Missing nginx: a skip outside CI, a failure in CI."""
+    from bench.scale_out_check import nginx_binary, start_nginx
+    from tests.tools import need
+
+    nginx = nginx_binary()
+    need(nginx is not None, "nginx is not installed: apt-get install nginx-light")
+    assert nginx is not None
+    listen = free_port()
+    proc = start_nginx(nginx, logdir, listen, ports)
+    try:
+        yield f"ws://127.0.0.1:{listen}/v1/realtime"
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+
 @pytest.fixture
 async def redis_client(redis_url: str) -> AsyncIterator[Any]:
     import redis.asyncio as aioredis

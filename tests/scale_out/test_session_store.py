@@ -4,11 +4,21 @@ that every refusal is the same `None` (the server's `session_not_found`)."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
+from redis.exceptions import TimeoutError as RedisTimeout
 
-from realtime.session_store import SessionStore, StoredSession, digest, held_media
+from realtime.session_store import (
+    OUTAGE_CALL_TIMEOUT_S,
+    SessionStore,
+    StoredSession,
+    digest,
+    held_media,
+)
 from retention.records import SessionSnapshot
 from vllm_realtime_protocol import SessionConfig
 
@@ -191,3 +201,34 @@ async def test_only_a_restart_that_lost_the_hash_lets_its_owner_write_it_again(
     assert claim is not None and claim.stored.frames_total == 6 and claim.frames == {1: b"jp"}
     assert not await a.write("s1", fence, stored(7), GRACE)  # claimed: the fence moved on
     assert not await a.lost("s1", run)
+
+
+async def test_a_redis_that_hangs_costs_a_turn_one_timeout_then_half_a_second(
+    stores: tuple[SessionStore, SessionStore], redis_server: tuple[Any, str]
+) -> None:
+    """A redis-server stopped with SIGSTOP answers nothing (connections still open): the first
+    call waits the socket timeout (3 s); then the calls on a turn's path give up after
+    OUTAGE_CALL_TIMEOUT_S, while the keeper's probe waits the whole timeout; the first call that
+    succeeds again ends the outage."""
+    a, _ = stores
+    proc = redis_server[0]
+    await a.create("s1", "key-a", "tok-1", GRACE, stored())
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        took = []
+        for call in (
+            lambda: a.refresh("s1", 1, GRACE),  # the check before a turn
+            lambda: a.write("s1", 1, stored(3), GRACE),  # the write after it
+            lambda: a.refresh("s1", 1, GRACE, probe=True),  # the keeper's
+        ):
+            started = time.monotonic()
+            with pytest.raises((TimeoutError, RedisTimeout)):
+                await call()
+            took.append(time.monotonic() - started)
+            assert a.failing
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert 2.5 < took[0] < 4.5 and took[1] < OUTAGE_CALL_TIMEOUT_S + 0.5, took
+    assert took[2] > 2.5, took
+    assert await a.refresh("s1", 1, GRACE, probe=True) and not a.failing
+    assert await a.write("s1", 1, stored(3), GRACE)
