@@ -112,6 +112,10 @@ class ServeProcess:
                 "32",
                 "--dtype",
                 "float32",
+                # Lifecycle, not admission: compute admission measured on a loaded machine
+                # refused these tests' sessions before the drain they test.
+                "--compute-headroom",
+                "0",
                 # Lifecycle, not meaning: the random-weight VLM starts in seconds.
                 *(() if "--model" in args else ("--model", "tiny-qwen2-vl")),
                 *args,
