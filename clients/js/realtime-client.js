@@ -86,7 +86,7 @@ function deferred() {
   return { promise, resolve, reject };
 }
 
-// The session's transition tables, the protocol's own (vllm_realtime_protocol/tables.py):
+// The session's transition tables, the protocol's own (protocol/vllm_realtime_protocol/tables.py):
 // `make types` writes them to protocol.tables.json and copies that file here
 // (scripts/embed-tables.mjs); tests/clients/test_types_drift.py fails when either drifts.
 // BEGIN protocol.tables.json
@@ -249,7 +249,7 @@ const REFUSAL_HINTS = {
 
 /**
  * The session's state as the client sees it, stepped through the protocol's tables: the JS
- * form of the Python ClientProtocol (vllm_realtime_protocol/client.py), with the same rules.
+ * form of the Python ClientProtocol (protocol/vllm_realtime_protocol/client.py), with the same rules.
  * `send(event)` throws the server's own refusal (a local RealtimeError with the server's code)
  * where the tables refuse, else moves the state; `receive(event)` confirms, undoes the send a
  * surviving error refuses (the one whose event_id it echoes), or applies the server's

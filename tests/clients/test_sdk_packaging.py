@@ -1,4 +1,4 @@
-"""`pip install ./vllm_realtime_protocol ./clients/python`: the SDK and the protocol distribution
+"""`pip install ./protocol ./clients/python`: the SDK and the protocol distribution
 it depends on, nothing heavy, and no generic top-level name (no `protocol`)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from tests.clients.conftest import ROOT, SDK_DIR
 
 pytestmark = pytest.mark.slow  # builds two wheels and a venv (~10-20 s)
 
-PROTOCOL_DIR = ROOT / "vllm_realtime_protocol"
+PROTOCOL_DIR = ROOT / "protocol"
 
 
 def build_wheel(project: Path, out: Path) -> tuple[set[str], list[str]]:
@@ -54,9 +54,9 @@ def test_the_sdk_and_the_protocol_build_install_and_import_without_the_server(
     assert proto_requires == ["pydantic"]
     tops = {n.split("/")[0] for n in proto_names if ".dist-info/" not in n}
     assert tops == {"vllm_realtime_protocol"}  # owns its one top-level name, nothing generic
-    # The exact files the server runs on (the package folder is the project's root).
+    # The exact files the server runs on (the package is the project's one subfolder).
     assert {n.split("/")[1] for n in proto_names if n.startswith("vllm_realtime_protocol/")} == {
-        p.name for p in PROTOCOL_DIR.glob("*.py")
+        p.name for p in (PROTOCOL_DIR / "vllm_realtime_protocol").glob("*.py")
     } | {"py.typed"}
 
     # A throwaway venv, as a user's: both wheels (no index: --no-deps); pydantic and

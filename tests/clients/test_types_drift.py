@@ -1,9 +1,9 @@
-"""The generated wire types stay what vllm_realtime_protocol/ gives: `make types` regenerates them.
+"""The generated wire types stay what protocol/ gives: `make types` regenerates them.
 
 protocol.schema.json is pydantic's JSON Schema of every event; protocol.d.ts is compiled from it
 by npm's json-schema-to-typescript. protocol.tables.json is the session's transition tables
 (tables.py), and realtime-client.js carries a copy of it, which its ClientMachine runs on. A
-change to vllm_realtime_protocol/ without `make types` fails here, and so does a hand edit of
+change to protocol/ without `make types` fails here, and so does a hand edit of
 any of them. The JS machine's replay fixture (clients/js/test/machine-sequences.json) stays
 what the Python machine gives.
 """

@@ -1,4 +1,4 @@
-"""The client's machine (vllm_realtime_protocol/client.py) against the server's, on the same tables.
+"""The client's machine (protocol/vllm_realtime_protocol/client.py) against the server's, on the same tables.
 
 A scripted server (the server's SessionProtocol under a few lines that turn its actions into the
 events a connection sends) answers random client sends and server happenings. After every step

@@ -24,7 +24,7 @@ export async function demo(url: string, jpeg: Blob): Promise<number | null> {
   const client: RealtimeClient = await RealtimeClient.connect(url, { apiKey: "k", timeoutMs: 5000 });
   const opened = await client.open({ instructions: "hi", retention: { window_chunks: 4 }, sampling: { max_tokens: 8 } });
   const model: string | null = opened.config.model;
-  // Generated from vllm_realtime_protocol/: the echo has every field, limits and reservation included.
+  // Generated from protocol/: the echo has every field, limits and reservation included.
   const clipCap: number | null = opened.limits.max_clip_frames;
   const reserved: number | undefined = opened.reservation?.kv_blocks;
   const code: ErrorCode = "capacity_exceeded";
