@@ -490,25 +490,19 @@ class Connection:
                 ResponseCreatedEvent(frame_index=frame.frame_index, frame_id=frame.frame_id)
             )
         try:
-            outcome = await session.run_turn(frame, on_delta=self.send, cancelled=session.cancelled)
-            if outcome is None:
+            ended = await session.run_turn(frame, send=self.send, cancelled=session.cancelled)
+            if ended is None:
                 session.turn = None  # _let_go's finish must not cancel the task it runs in
                 await session.let_go()
                 return
-            if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
-                log.error("engine is down; ending session id=%s", self.proto.session_id[:12])
+            if ended.engine_lost:
                 if await self.hand_over_lost_engine():
                     return
-            done, stored = await session.store_turn(frame, outcome)
-            await self.send(done)
-            if stored is not None:
-                await session.persist_consolidated(stored)
-            if outcome.error is not None:
-                await self.send_error(outcome.error)
-            if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
-                log.error("engine is down; closing session")
-            if outcome.close_reason is not None:
-                await self.finish(self.proto.server_close(outcome.close_reason))
+                await self.send(ended.done)  # not stored: its session ends with engine_error
+                if ended.error is not None:
+                    await self.send_error(ended.error)
+            if ended.close_reason is not None:
+                await self.finish(self.proto.server_close(ended.close_reason))
         except Exception:
             # Not a protocol error: a server bug. Without this the accepted chunk never got its
             # response.done and the task's exception went unretrieved.

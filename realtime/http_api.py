@@ -279,23 +279,20 @@ async def _frame(
         raise ChunkInFlight("a chunk of this session is in flight")
     async with record.lock:
         frame = (await _submitted_frame(request, session.protocol, prompt)).frame
-        outcome = await session.run_turn(frame)
-        if outcome is None:
+        ended = await session.run_turn(frame)  # the outcome is this request's answer
+        if ended is None:
             # Its stored record moved on (another replica claimed it): it ends here.
             await sessions.close(session)
             raise SessionNotFound("this session was resumed elsewhere")
-        done, stored = await session.store_turn(frame, outcome)
-        if stored is not None:
-            await session.persist_consolidated(stored)
-        if outcome.error is None:
-            return JSONResponse(dump(done))
-        if outcome.close_reason is not None:
+        if ended.error is None:
+            return JSONResponse(dump(ended.done))
+        if ended.close_reason is not None:
             # The session is over (engine_error, context_exceeded): not listed any more.
             await sessions.close(session)
         return error_response(
-            outcome.error,
-            status_for(outcome.error),  # engine_error: 503
-            extra={"response": dump(done)},
+            ended.error,
+            status_for(ended.error),  # engine_error: 503
+            extra={"response": dump(ended.done)},
         )
 
 

@@ -32,9 +32,12 @@ from vllm_realtime_protocol import (
     ResponseStatus,
     ResponseTextDeltaEvent,
     ResumeSession,
+    ServerCloseReason,
+    ServerEvent,
     SessionConfig,
     SessionProtocol,
     State,
+    error_event,
 )
 
 log = logging.getLogger("vllm_realtime")
@@ -61,6 +64,29 @@ async def answer(
         resized=report.resized,
     )
     return TurnOutcome(done, report.error)
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """One turn as its transport goes on from it: the outcome (its response.done carries
+    `stored` once the fold is written) and `engine_lost`: the engine died under the turn, and
+    nothing was sent yet (a stored session is handed over with no response.done: the client
+    sends the chunk again after the resume; else the transport sends the outcome)."""
+
+    outcome: TurnOutcome
+    engine_lost: bool = False
+
+    @property
+    def done(self) -> ResponseDoneEvent:
+        return self.outcome.done
+
+    @property
+    def error(self) -> RealtimeError | None:
+        return self.outcome.error
+
+    @property
+    def close_reason(self) -> ServerCloseReason | None:
+        return self.outcome.close_reason
 
 
 @dataclass
@@ -173,15 +199,29 @@ class Session:
         self,
         frame: Frame,
         *,
-        on_delta: Callable[[ResponseTextDeltaEvent], Awaitable[None]] | None = None,
+        send: Callable[[ServerEvent], Awaitable[None]] | None = None,
         cancelled: asyncio.Event | None = None,
-    ) -> TurnOutcome | None:
-        """Run one accepted chunk; None when this replica no longer holds the stored session
-        (no second writer, ever: the caller lets it go)."""
+    ) -> TurnEnd | None:
+        """Run one accepted chunk to its end, the transport's one call per turn: its deltas,
+        then its response.done (after its fold is written) and the error that failed it go to
+        `send` (None: the caller answers with the outcome's). None when this replica no longer
+        holds the stored session (no second writer, ever: the caller lets it go)."""
         assert self.record is not None
         if not await self.still_held():
             return None
-        return await answer(self.hub, self.record, frame, on_delta=on_delta, cancelled=cancelled)
+        outcome = await answer(self.hub, self.record, frame, on_delta=send, cancelled=cancelled)
+        if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
+            log.error("engine is down; ending session id=%s", self.session_id[:12])
+            return TurnEnd(outcome, engine_lost=True)
+        done, stored = await self.store_turn(frame, outcome)
+        outcome = dataclasses.replace(outcome, done=done)
+        if send is not None:
+            await send(done)
+        if stored is not None:
+            await self.persist_consolidated(stored)
+        if send is not None and outcome.error is not None:
+            await send(error_event(outcome.error))
+        return TurnEnd(outcome)
 
     async def store_turn(
         self, frame: Frame, outcome: TurnOutcome
