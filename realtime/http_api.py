@@ -169,6 +169,9 @@ class HttpSessions:
                 del self._sessions[sid]
         self._sessions[session.session_id] = session
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
     def find(self, hub: SessionHub, session_id: str, key: str | None) -> Session:
         """The open session `session_id` that `key` may act on (else session_not_found)."""
         try:
