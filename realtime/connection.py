@@ -490,7 +490,7 @@ class Connection:
                 ResponseCreatedEvent(frame_index=frame.frame_index, frame_id=frame.frame_id)
             )
         try:
-            ended = await session.run_turn(frame, send=self.send, cancelled=session.cancelled)
+            ended = await session.run_turn(frame, send=self.send)
             if ended is None:
                 session.turn = None  # _let_go's finish must not cancel the task it runs in
                 await session.let_go()

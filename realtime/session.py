@@ -200,16 +200,18 @@ class Session:
         frame: Frame,
         *,
         send: Callable[[ServerEvent], Awaitable[None]] | None = None,
-        cancelled: asyncio.Event | None = None,
     ) -> TurnEnd | None:
         """Run one accepted chunk to its end, the transport's one call per turn: its deltas,
         then its response.done (after its fold is written) and the error that failed it go to
-        `send` (None: the caller answers with the outcome's). None when this replica no longer
-        holds the stored session (no second writer, ever: the caller lets it go)."""
+        `send` (None: the caller answers with the outcome's); the deltas stop once `cancelled`
+        is set. None when this replica no longer holds the stored session (no second writer,
+        ever: the caller lets it go)."""
         assert self.record is not None
         if not await self.still_held():
             return None
-        outcome = await answer(self.hub, self.record, frame, on_delta=send, cancelled=cancelled)
+        outcome = await answer(
+            self.hub, self.record, frame, on_delta=send, cancelled=self.cancelled
+        )
         if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
             log.error("engine is down; ending session id=%s", self.session_id[:12])
             return TurnEnd(outcome, engine_lost=True)
