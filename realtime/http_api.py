@@ -177,7 +177,8 @@ class HttpSessions:
         try:
             record = hub.find(session_id, key, "http")
         except SessionNotFound:
-            self._sessions.pop(session_id, None)
+            if session_id not in hub.sessions:  # closed by the hub (not: another key's)
+                self._sessions.pop(session_id, None)
             raise
         session = self._sessions.get(session_id)
         if session is None or session.record is not record:

@@ -28,7 +28,7 @@ class StandInHub:
 
     def find(self, session_id: str, owner: str | None, transport: str) -> Any:
         record = self.sessions.get(session_id)
-        if record is None or record.transport != transport:
+        if record is None or record.transport != transport or owner != record.owner:
             raise SessionNotFound("no such session")
         return record
 
@@ -37,9 +37,9 @@ class StandInHub:
         self.closed.append(record)
 
 
-def open_session(hub: StandInHub, sessions: HttpSessions) -> Session:
-    session = Session(hub, None)  # type: ignore[arg-type]
-    record = SimpleNamespace(session_id=session.session_id, transport="http")
+def open_session(hub: StandInHub, sessions: HttpSessions, key: str | None = None) -> Session:
+    session = Session(hub, key)  # type: ignore[arg-type]
+    record = SimpleNamespace(session_id=session.session_id, transport="http", owner=key)
     session.record = record  # type: ignore[assignment]
     hub.sessions[session.session_id] = record
     sessions.add(session)
@@ -70,6 +70,17 @@ async def test_sessions_the_hub_closed_are_forgotten() -> None:
     assert kept.session_id in sessions
     assert first.session_id not in sessions and idle.session_id not in sessions
     # A record that is not this session's (another session under the same id) is not it.
-    hub.sessions[kept.session_id] = SimpleNamespace(session_id=kept.session_id, transport="http")
+    hub.sessions[kept.session_id] = SimpleNamespace(
+        session_id=kept.session_id, transport="http", owner=None
+    )
     with pytest.raises(SessionNotFound):
         sessions.find(hub, kept.session_id, None)  # type: ignore[arg-type]
+
+
+async def test_another_keys_lookup_leaves_the_session_alone() -> None:
+    """Another key gets session_not_found, and the owner still finds the session after it."""
+    hub, sessions = StandInHub(), HttpSessions()
+    session = open_session(hub, sessions, key="key-a")
+    with pytest.raises(SessionNotFound):
+        sessions.find(hub, session.session_id, "key-b")  # type: ignore[arg-type]
+    assert sessions.find(hub, session.session_id, "key-a") is session  # type: ignore[arg-type]
