@@ -11,11 +11,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import WebSocket, WebSocketDisconnect
 from starlette.websockets import WebSocketState
 
+from realtime.config import ServerConfig
 from realtime.drain import Lifecycle
 from realtime.hub import SessionHub, SessionRecord
 from realtime.resumption import ResumeTokens
@@ -41,7 +43,6 @@ from vllm_realtime_protocol import (
     SessionNotFound,
     SessionOpenEvent,
     SessionProtocol,
-    State,
     SubmitFrame,
     UpdateSession,
     encode_server_event,
@@ -82,12 +83,55 @@ class _FrameBucket:
         return True
 
 
-class Connection:
-    """One WebSocket connection: its protocol state, its session, its turn task.
+class _Socket:
+    """One WebSocket as its connection writes to it: one send at a time, and the rate bucket of
+    the frame.append events read from it (a new socket starts a new bucket)."""
 
-    A resumable session outlives its socket: on a drop the Connection is *parked* (no socket,
+    __slots__ = ("frames", "lock", "ws")
+
+    def __init__(self, ws: WebSocket, config: ServerConfig) -> None:
+        self.ws = ws
+        self.lock = asyncio.Lock()
+        self.frames = _FrameBucket(config.max_frames_per_s, config.frame_burst)
+
+    @property
+    def connected(self) -> bool:
+        return self.ws.client_state == WebSocketState.CONNECTED
+
+    async def send_text(self, text: str) -> None:
+        if not self.connected:
+            return
+        async with self.lock:
+            with contextlib.suppress(Exception):
+                await self.ws.send_text(text)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What every connection of one server shares: the drain, the resumable sessions' tokens
+    (None: no resumption) and the live connections (the drain walks them)."""
+
+    lifecycle: Lifecycle
+    resume_tokens: ResumeTokens[Connection] | None = None
+    connections: set[Connection] | None = None
+
+
+# Old sockets closed in the background after a resume took their session (a half-open
+# socket's close handshake waits for its timeout): held here until done.
+_closing: set[asyncio.Task[None]] = set()
+
+
+class Connection:
+    """One WebSocket transport: reads events from its socket into its `Session` and writes the
+    session's events back; the session (realtime/session.py) holds all of its state.
+
+    A resumable session outlives its socket: on a drop the session is *parked* (no socket,
     the turn runs on, an expiry timer runs), and `session.resume` on another socket hands that
     socket to this Connection (`take_over`), which then serves it (`serve_resumed`)."""
+
+    # The socket, the session it carries, the hub, the server's shared objects, and the
+    # Connection this socket was handed to by a session.resume: nothing else (test_layering).
+    __slots__ = ("handed_to", "hub", "serving", "session", "socket")
 
     def __init__(
         self,
@@ -98,32 +142,25 @@ class Connection:
         resumable: ResumeTokens[Connection] | None = None,
         connections: set[Connection] | None = None,
         bound_config: SessionConfig | None = None,
+        *,
+        session: Session | None = None,
     ) -> None:
-        self.ws = ws
-        # Connected with a client secret bound to a session config: session.open opens it.
-        self.bound_config = bound_config
-        self.lifecycle = lifecycle or Lifecycle(hub.config.drain_timeout_s)
-        self.resume_tokens = resumable
-        # The server's live connections (drain walks them); a parked one stays in until closed.
-        self.connections = connections
-        self.parked = False
-        self.expiry: asyncio.Task[None] | None = None
+        self.socket = _Socket(ws, hub.config)
+        self.hub = hub
+        self.serving = Serving(
+            lifecycle or Lifecycle(hub.config.drain_timeout_s), resumable, connections
+        )
+        # The session this socket serves: its machine, its engine session, its store writer.
+        self.session = (
+            session if session is not None else Session(hub, owner, bound_config=bound_config)
+        )
+        self.session.on_lost = self._let_go
         # session.resume on this socket succeeded: the socket now serves that Connection.
         self.handed_to: Connection | None = None
-        self.closing_old: asyncio.Task[None] | None = None
-        # server.draining was sent: close the session as soon as no reply is in flight.
-        self.draining = False
-        self.hub = hub
-        # The session this socket serves: its machine, its engine session, its store writer.
-        self.session = Session(hub, owner)
-        self.session.on_lost = self._let_go
-        self.turn: asyncio.Task[None] | None = None
-        self.cancelled = asyncio.Event()
-        self.send_lock = asyncio.Lock()
-        self.frames = _FrameBucket(hub.config.max_frames_per_s, hub.config.frame_burst)
-        # The engine died under this stored session: it is handed over, and the chunk in
-        # flight gets no response.done here (the client sends it again after the resume).
-        self.lost_engine = False
+
+    @property
+    def ws(self) -> WebSocket:
+        return self.socket.ws
 
     @property
     def proto(self) -> SessionProtocol:
@@ -141,19 +178,18 @@ class Connection:
     def closed(self) -> bool:
         return self.session.closed
 
-    def _adopt(self, session: Session) -> None:
-        """Serve `session` (claimed from the store) instead of this connection's own."""
-        self.session = session
-        session.on_lost = self._let_go
+    @property
+    def parked(self) -> bool:
+        return self.session.parked
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        return self.serving.lifecycle
 
     async def send(self, event: ServerEvent) -> None:
         if isinstance(event, ErrorEvent):
             self.hub.metrics.errors.labels(event.error.code).inc()
-        if self.ws.client_state != WebSocketState.CONNECTED:
-            return
-        async with self.send_lock:
-            with contextlib.suppress(Exception):
-                await self.ws.send_text(encode_server_event(event))
+        await self.socket.send_text(encode_server_event(event))
 
     async def send_error(self, exc: RealtimeError) -> None:
         await self.send(error_event(exc))
@@ -186,7 +222,7 @@ class Connection:
                     return self.handed_to
                 if receiving is None:
                     receiving = asyncio.ensure_future(ws.receive())
-                turn = self.turn if self.turn is not None and not self.turn.done() else None
+                turn = self.session.turn_running()
                 waiting: set[asyncio.Future[Any]] = (
                     {receiving} if turn is None else {receiving, turn}
                 )
@@ -210,8 +246,8 @@ class Connection:
         except WebSocketDisconnect:
             if self.ws is not ws:
                 return None
-            if self._can_park():
-                self._park()
+            if self.session.can_park(self.lifecycle.draining):
+                self.session.park(self._expired)
                 return None
             await self.finish(self.proto.server_close("disconnect"), socket_gone=True)
         except Exception:
@@ -229,45 +265,8 @@ class Connection:
 
     # -- resumption (realtime/resumption.py)
 
-    def _can_park(self) -> bool:
-        config = self.proto.config
-        return (
-            config is not None
-            and config.resumable is not None
-            and self.record is not None
-            and not self.draining
-            and not self.lifecycle.draining
-            and self.proto.state in (State.IDLE, State.AWAITING_BINARY, State.AWAITING_RESPONSE)
-        )
-
-    def _park(self) -> None:
-        """The socket dropped: keep the session (engine request, KV, reservation) for its grace
-        period; a reply in flight runs on and its response.done is kept (vllm_realtime_protocol.state)."""
-        config = self.proto.config
-        assert config is not None and config.resumable is not None
-        self.proto.detach()
-        self.parked = True
-        self.hub.metrics.sessions_parked.inc()
-        grace = config.resumable.grace_s
-        self.expiry = asyncio.create_task(self._expire_after(grace))
-        log.info("session parked id=%s grace=%.1fs", self.proto.session_id[:12], grace)
-
-    async def _expire_after(self, grace: float) -> None:
-        await asyncio.sleep(grace)
-        if not self.parked or self.closed:
-            return
-        log.info("session expired id=%s", self.proto.session_id[:12])
-        self.hub.metrics.sessions_expired.inc()
-        self.expiry = None  # finish must not cancel the task it runs in
+    async def _expired(self) -> None:
         await self.finish(self.proto.server_close("expired"), socket_gone=True)
-
-    def _unpark(self) -> None:
-        if self.parked:
-            self.parked = False
-            self.hub.metrics.sessions_parked.dec()
-        expiry, self.expiry = self.expiry, None
-        if expiry is not None and expiry is not asyncio.current_task():
-            expiry.cancel()
 
     async def take_over(
         self, ws: WebSocket, token: str | None = None, *, reprefilled: int | None = None
@@ -284,14 +283,16 @@ class Connection:
             if old.client_state == WebSocketState.CONNECTED:
                 # The old socket's loop sees `self.ws is not ws` and returns; close it in the
                 # background (a half-open socket's close handshake waits for its timeout).
-                self.closing_old = asyncio.create_task(_close_quietly(old, 4000))
-        self._unpark()
-        self.ws = ws
-        self.draining = False
-        self.frames = _FrameBucket(self.hub.config.max_frames_per_s, self.hub.config.frame_burst)
+                closing = asyncio.create_task(_close_quietly(old, 4000))
+                _closing.add(closing)
+                closing.add_done_callback(_closing.discard)
+        self.session.unpark()
+        self.socket = _Socket(ws, self.hub.config)
+        self.session.draining = False
         self.session.touch()
-        assert self.resume_tokens is not None
-        token = self.resume_tokens.issue(self.proto.session_id, self.owner, self, token)
+        resume_tokens = self.serving.resume_tokens
+        assert resume_tokens is not None
+        token = resume_tokens.issue(self.proto.session_id, self.owner, self, token)
         resumed = self.proto.resumed(token)
         if reprefilled is not None:
             resumed = resumed.model_copy(
@@ -325,12 +326,14 @@ class Connection:
                     text if text is not None else b"", max_bytes=self.proto.limits.max_event_bytes
                 )
                 event_id = event.event_id
-                if isinstance(event, SessionOpenEvent) and self.bound_config is not None:
-                    event = SessionOpenEvent(**dict(self.bound_config), event_id=event_id)
-                if isinstance(event, FrameAppendEvent) and not self.frames.take():
+                bound = self.session.bound_config
+                if isinstance(event, SessionOpenEvent) and bound is not None:
+                    event = SessionOpenEvent(**dict(bound), event_id=event_id)
+                frames = self.socket.frames
+                if isinstance(event, FrameAppendEvent) and not frames.take():
                     raise RateLimited(
-                        f"more than {self.frames.rate:g} frames per second (burst "
-                        f"{self.frames.burst}); this frame.append was dropped",
+                        f"more than {frames.rate:g} frames per second (burst "
+                        f"{frames.burst}); this frame.append was dropped",
                         event_id=event.event_id,
                     )
                 action = self.proto.receive_client_event(event)
@@ -358,8 +361,9 @@ class Connection:
                     action.config,
                     action.event.model_copy(update={"reservation": self.hub.reservation(record)}),
                 )
-                if action.config.resumable is not None and self.resume_tokens is not None:
-                    token = self.resume_tokens.issue(self.proto.session_id, self.owner, self)
+                resume_tokens = self.serving.resume_tokens
+                if action.config.resumable is not None and resume_tokens is not None:
+                    token = resume_tokens.issue(self.proto.session_id, self.owner, self)
                     action = OpenSession(
                         action.config, action.event.model_copy(update={"resume_token": token})
                     )
@@ -383,10 +387,9 @@ class Connection:
             return
         elif isinstance(action, SubmitFrame):
             await self.send(action.ack)
-            self.cancelled.clear()
-            self.turn = asyncio.create_task(self._run_turn(action))
+            self.session.start_turn(self._run_turn(action))
         elif isinstance(action, CancelResponse):
-            self.cancelled.set()
+            self.session.cancelled.set()
         elif isinstance(action, CloseSession):
             await self.finish(action)
         elif isinstance(action, ResumeSession):
@@ -409,9 +412,10 @@ class Connection:
         """session.resume on this fresh connection: hand the socket to the session's holder."""
         token: str | None = None
         reprefilled: int | None = None
+        resume_tokens = self.serving.resume_tokens
         try:
             self.lifecycle.check_admitting(action.event_id)
-            if self.resume_tokens is None:
+            if resume_tokens is None:
                 raise SessionNotFound("this server keeps no resumable sessions")
             claimed = await Session.claim(
                 self.hub, action, self.owner, lambda: self._local_session(action.session_id)
@@ -419,7 +423,7 @@ class Connection:
             if claimed is not None:
                 holder, token, reprefilled = self._holder_of(claimed)
             else:
-                holder = self.resume_tokens.claim(
+                holder = resume_tokens.claim(
                     action.session_id, action.resume_token, self.owner, action.event_id
                 )
                 if holder.session.fence is not None:
@@ -438,70 +442,68 @@ class Connection:
         # This connection never opened a session of its own: it ends without a word, and its
         # socket goes on serving the resumed session.
         self.session.closed = True
-        if self.connections is not None:
-            self.connections.discard(self)
+        if self.serving.connections is not None:
+            self.serving.connections.discard(self)
         self.handed_to = holder
-        if holder.connections is not None:
-            holder.connections.add(holder)
+        if holder.serving.connections is not None:
+            holder.serving.connections.add(holder)
         await holder.take_over(self.ws, token, reprefilled=reprefilled)
         holder.session.start_keeper()
 
     def _local_session(self, session_id: str) -> Session | None:
-        assert self.resume_tokens is not None
-        local = self.resume_tokens.holder(session_id)
+        assert self.serving.resume_tokens is not None
+        local = self.serving.resume_tokens.holder(session_id)
         return None if local is None else local.session
 
     def _holder_of(self, claimed: Rebuilt) -> tuple[Connection, str, int | None]:
         """The Connection that serves a session claimed from the store: this replica's own
         holder, or a new one (parked: `take_over` attaches it) for a rebuilt session."""
         if claimed.reprefilled is None:
-            assert self.resume_tokens is not None
-            local = self.resume_tokens.holder(claimed.session.session_id)
+            assert self.serving.resume_tokens is not None
+            local = self.serving.resume_tokens.holder(claimed.session.session_id)
             assert local is not None and local.session is claimed.session
             return local, claimed.token, None
+        serving = self.serving
         holder = Connection(
-            self.ws, self.hub, self.owner, self.lifecycle, self.resume_tokens, self.connections
+            self.ws,
+            self.hub,
+            self.owner,
+            serving.lifecycle,
+            serving.resume_tokens,
+            serving.connections,
+            session=claimed.session,
         )
-        holder._adopt(claimed.session)
-        holder.parked = True  # take_over attaches it, as a parked one
-        self.hub.metrics.sessions_parked.inc()
+        claimed.session.parked_elsewhere()  # take_over attaches it, as a parked one
         return holder, claimed.token, claimed.reprefilled
 
     async def _let_go(self) -> None:
         """Another replica claimed this session (the store writer let it go): end it here."""
-        socket_gone = self.parked or self.ws.client_state != WebSocketState.CONNECTED
+        socket_gone = self.parked or not self.socket.connected
         if not socket_gone:
             await self.send_error(SessionNotFound("this session was resumed on another connection"))
         await self.finish(self.proto.server_close("error"), socket_gone=socket_gone)
 
     async def _run_turn(self, action: SubmitFrame) -> None:
         frame = action.frame
+        session = self.session
         if frame.reply:  # an ingested chunk (reply: false) has no reply to announce
             await self.send(
                 ResponseCreatedEvent(frame_index=frame.frame_index, frame_id=frame.frame_id)
             )
         try:
-            outcome = await self.session.run_turn(
-                frame, on_delta=self.send, cancelled=self.cancelled
-            )
-            if outcome is None:
-                self.turn = None  # _let_go's finish must not cancel the task it runs in
-                await self.session.let_go()
+            ended = await session.run_turn(frame, send=self.send)
+            if ended is None:
+                session.turn = None  # _let_go's finish must not cancel the task it runs in
+                await session.let_go()
                 return
-            if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
-                log.error("engine is down; ending session id=%s", self.proto.session_id[:12])
+            if ended.engine_lost:
                 if await self.hand_over_lost_engine():
                     return
-            done, stored = await self.session.store_turn(frame, outcome)
-            await self.send(done)
-            if stored is not None:
-                await self.session.persist_consolidated(stored)
-            if outcome.error is not None:
-                await self.send_error(outcome.error)
-            if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
-                log.error("engine is down; closing session")
-            if outcome.close_reason is not None:
-                await self.finish(self.proto.server_close(outcome.close_reason))
+                await self.send(ended.done)  # not stored: its session ends with engine_error
+                if ended.error is not None:
+                    await self.send_error(ended.error)
+            if ended.close_reason is not None:
+                await self.finish(self.proto.server_close(ended.close_reason))
         except Exception:
             # Not a protocol error: a server bug. Without this the accepted chunk never got its
             # response.done and the task's exception went unretrieved.
@@ -509,8 +511,8 @@ class Connection:
             await self.send_error(InternalError("internal server error"))
             await self.finish(self.proto.server_close("error"))
         finally:
-            self.session.touch()
-            if self.draining and not self.closed:
+            session.touch()
+            if session.draining and not self.closed:
                 await self.finish(self.proto.server_close("server_shutdown"))
 
     # -- graceful drain (realtime/drain.py)
@@ -524,14 +526,14 @@ class Connection:
                 await self.send_error(EngineError(f"the engine is down: {why}"))
                 await self.finish(self.proto.server_close("engine_error"))
             return
-        if self.closed or self.draining:
+        if self.closed or self.session.draining:
             return
-        self.draining = True
+        self.session.draining = True
         # A stored session is handed over: its record stays in the store (its last fold is
         # written before the close), and the client resumes it on another replica.
         handover = self.session.fence is not None
         await self.send(ServerDrainingEvent(seconds_left=round(seconds_left, 3), handover=handover))
-        if self.turn is None or self.turn.done():
+        if self.session.turn_running() is None:
             await self.finish(self.proto.server_close("server_shutdown"))
 
     async def hand_over_lost_engine(self) -> bool:
@@ -541,12 +543,13 @@ class Connection:
         chunk in flight gets no response.done here: the resumed session's `next_frame_index`
         is that chunk's, and the client sends it again. False: not stored, or the store missed
         a fold (the caller ends it with engine_error)."""
+        session = self.session
         if self.closed:
-            return self.lost_engine
-        if self.session.fence is None or not self.session.store_ok:
+            return session.lost_engine
+        if session.fence is None or not session.store_ok:
             return False
-        told = self.draining  # a drain under way already said server.draining (handover)
-        self.draining = self.lost_engine = True
+        told = session.draining  # a drain under way already said server.draining (handover)
+        session.draining = session.lost_engine = True
         log.warning("engine died: session handed over id=%s", self.proto.session_id[:12])
         if not told:
             await self.send(ServerDrainingEvent(seconds_left=0.0, handover=True))
@@ -559,25 +562,20 @@ class Connection:
 
     async def finish(self, close: CloseSession | None, *, socket_gone: bool = False) -> None:
         """Close the session once: stop the turn, free the engine request, say goodbye."""
+        session = self.session
         if close is None and self.closed:
             return
-        self.session.closed = True
-        self._unpark()
+        session.closed = True
+        session.unpark()
         # Closed or expired here: nothing of it stays in the store, unless it is handed over.
-        handover = self.draining and close is not None and close.reason == "server_shutdown"
-        await self.session.stop_storing(keep_record=handover)
-        if self.resume_tokens is not None:
-            self.resume_tokens.forget(self.proto.session_id)
-        if self.connections is not None:
-            self.connections.discard(self)
-        turn, self.turn = self.turn, None
-        if turn is not None and not turn.done() and turn is not asyncio.current_task():
-            # Cancelling the consumer inside generate() makes vLLM abort the request.
-            self.cancelled.set()
-            turn.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await turn
-        if not self.lost_engine and (done := self.session.end_in_flight(close)) is not None:
+        handover = session.draining and close is not None and close.reason == "server_shutdown"
+        await session.stop_storing(keep_record=handover)
+        if self.serving.resume_tokens is not None:
+            self.serving.resume_tokens.forget(self.proto.session_id)
+        if self.serving.connections is not None:
+            self.serving.connections.discard(self)
+        await session.stop_turn()
+        if not session.lost_engine and (done := session.end_in_flight(close)) is not None:
             # An accepted chunk always gets its response.done, even when the session ends
             # (but for a dead engine's hand-over: the chunk is sent again after the resume).
             await self.send(done)
@@ -585,6 +583,6 @@ class Connection:
             await self.hub.close_session(self.record)
         if close is not None and not socket_gone:
             await self.send(close.event)
-        if not socket_gone and self.ws.client_state == WebSocketState.CONNECTED:
+        if not socket_gone and self.socket.connected:
             with contextlib.suppress(Exception):
                 await self.ws.close(code=1000)

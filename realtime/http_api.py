@@ -1,9 +1,11 @@
-"""The HTTP session adapter (`/v1/streaming/sessions`): a thin transport over the session hub.
+"""The HTTP session adapter (`/v1/streaming/sessions`): a thin transport over `Session`.
 
-An HTTP session is a hub session with `transport="http"`: the same registry, admission and turn
-(`realtime.session.answer`) as a WebSocket session; the `TurnOutcome.close_reason` decides, as
-for a socket, whether a failed turn ends the session. One request carries one frame; the response is that
-frame's response.done.
+An HTTP session is a `realtime.session.Session`, the same object a WebSocket session is: its
+protocol machine, its engine session (the hub's record, `transport="http"`: the same registry
+and admission) and its store writer; a frame runs the same turn (`Session.run_turn`, then
+`Session.store_turn`), and the `TurnOutcome.close_reason` decides, as for a socket, whether a
+failed turn ends the session. One request carries one frame; the response is that frame's
+response.done.
 
 The routes read their bodies themselves (`read_body`: refused past the size limit before they
 are buffered, errors in the protocol's `error` shape, not FastAPI's 422), so FastAPI does not
@@ -14,7 +16,7 @@ see the body types; `openapi_extra` and `responses` name them for /openapi.json,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -22,8 +24,8 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from realtime.drain import Lifecycle
-from realtime.hub import SessionHub, SessionRecord
-from realtime.session import answer
+from realtime.hub import SessionHub
+from realtime.session import Session
 from realtime.web import dump, error_response, http_key, read_body, status_for
 from vllm_realtime_protocol import (
     ChunkInFlight,
@@ -35,8 +37,10 @@ from vllm_realtime_protocol import (
     ResponseDoneEvent,
     SessionClosedEvent,
     SessionConfig,
+    SessionNotFound,
     SessionOpenedEvent,
     SessionOpenEvent,
+    SessionProtocol,
     SubmitFrame,
 )
 
@@ -145,11 +149,57 @@ def document_request_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+class _OpenedSession(NamedTuple):
+    session: Session
+    body: dict[str, Any]  # its session.opened
+
+
+class HttpSessions:
+    """The open HTTP sessions of one server, by id. The hub's registry says which are open (its
+    idle reaper and the drain close HTTP sessions there); this maps each to its `Session`."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+
+    def add(self, session: Session) -> None:
+        hub = session.hub
+        # Forget the sessions the hub closed meanwhile (idle, drain, a dead engine).
+        for sid, held in list(self._sessions.items()):
+            if hub.sessions.get(sid) is not held.record:
+                del self._sessions[sid]
+        self._sessions[session.session_id] = session
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def find(self, hub: SessionHub, session_id: str, key: str | None) -> Session:
+        """The open session `session_id` that `key` may act on (else session_not_found)."""
+        try:
+            record = hub.find(session_id, key, "http")
+        except SessionNotFound:
+            if session_id not in hub.sessions:  # closed by the hub (not: another key's)
+                self._sessions.pop(session_id, None)
+            raise
+        session = self._sessions.get(session_id)
+        if session is None or session.record is not record:
+            raise SessionNotFound("no such session")
+        return session
+
+    async def close(self, session: Session) -> None:
+        """End the session: nothing of it stays in the store, its engine request is freed."""
+        self._sessions.pop(session.session_id, None)
+        session.closed = True
+        await session.stop_storing(keep_record=False)
+        if session.record is not None:
+            await session.hub.close_session(session.record)
+
+
 def http_router(
     lifecycle: Lifecycle, require_key: Callable[[Request], JSONResponse | None]
 ) -> APIRouter:
     """The adapter's routes; `require_key(request)` answers a request without a valid key."""
     router = APIRouter()
+    sessions = HttpSessions()
 
     def hub_of(request: Request) -> SessionHub:
         hub: SessionHub = request.app.state.hub
@@ -160,7 +210,9 @@ def http_router(
         if (denied := require_key(request)) is not None:
             return denied
         try:
-            return await _opened(request, hub_of(request), lifecycle)
+            opened = await _opened(request, hub_of(request), lifecycle)
+            sessions.add(opened.session)
+            return JSONResponse(opened.body)
         except RealtimeError as exc:
             return error_response(exc, status_for(exc))
 
@@ -170,24 +222,9 @@ def http_router(
     ) -> JSONResponse:
         if (denied := require_key(request)) is not None:
             return denied
-        hub = hub_of(request)
         try:
-            record = hub.find(session_id, http_key(request), "http")
-            if record.lock.locked():
-                raise ChunkInFlight("a chunk of this session is in flight")
-            async with record.lock:
-                action = await _submitted_frame(request, record, prompt)
-                outcome = await answer(hub, record, action.frame)
-                if outcome.error is None:
-                    return JSONResponse(dump(outcome.done))
-                if outcome.close_reason is not None:
-                    # The session is over (engine_error, context_exceeded): not listed any more.
-                    await hub.close_session(record)
-                return error_response(
-                    outcome.error,
-                    status_for(outcome.error),  # engine_error: 503
-                    extra={"response": dump(outcome.done)},
-                )
+            session = sessions.find(hub_of(request), session_id, http_key(request))
+            return await _frame(request, session, sessions, prompt)
         except RealtimeError as exc:
             return error_response(exc, status_for(exc))
 
@@ -195,13 +232,12 @@ def http_router(
     async def http_close(request: Request, session_id: str) -> JSONResponse:
         if (denied := require_key(request)) is not None:
             return denied
-        hub = hub_of(request)
         try:
-            record = hub.find(session_id, http_key(request), "http")
+            session = sessions.find(hub_of(request), session_id, http_key(request))
         except RealtimeError as exc:
             return error_response(exc, 404)
-        close = record.protocol.server_close("server_shutdown")
-        await hub.close_session(record)
+        close = session.protocol.server_close("server_shutdown")
+        await sessions.close(session)
         if close is None:
             return JSONResponse(HttpSessionClosed(session_id=session_id).model_dump(mode="json"))
         closed = close.event.model_copy(update={"reason": "client_closed"})
@@ -210,15 +246,17 @@ def http_router(
     return router
 
 
-async def _opened(request: Request, hub: SessionHub, lifecycle: Lifecycle) -> JSONResponse:
-    """session.open over HTTP: the session.opened body; a refusal raises RealtimeError."""
+async def _opened(request: Request, hub: SessionHub, lifecycle: Lifecycle) -> _OpenedSession:
+    """session.open over HTTP: the open session and its session.opened body; a refusal raises
+    RealtimeError."""
     raw = await read_body(request, hub.limits().max_event_bytes)
     try:
         session_config = SessionConfig.model_validate_json(raw) if raw.strip() else SessionConfig()
     except ValueError as exc:
         raise InvalidEvent(f"session config: {str(exc)[:300]}") from None
     lifecycle.check_admitting()
-    proto = hub.new_protocol()
+    session = Session(hub, http_key(request))
+    proto = session.protocol
     # dict(model), not model_dump(exclude_none=True): dropping nulls turned an explicit
     # `retention.window_chunks: null` ("no cap") back into the default 8.
     action = proto.receive_client_event(SessionOpenEvent(**dict(session_config)))
@@ -229,17 +267,44 @@ async def _opened(request: Request, hub: SessionHub, lifecycle: Lifecycle) -> JS
             "outlives its requests anyway)"
         )
     hub.ensure_text_or_video(action.config)
-    record = await hub.open_session(proto, action.config, http_key(request), "http")
+    record = await hub.open_session(proto, action.config, session.owner, "http")
+    session.record = record
     opened = action.event.model_copy(update={"reservation": hub.reservation(record)})
-    return JSONResponse(opened.model_dump(mode="json"))
+    return _OpenedSession(session, opened.model_dump(mode="json"))
+
+
+async def _frame(
+    request: Request, session: Session, sessions: HttpSessions, prompt: str | None
+) -> JSONResponse:
+    """One frame of an open session, answered when its reply is done (one at a time)."""
+    record = session.record
+    assert record is not None
+    if record.lock.locked():
+        raise ChunkInFlight("a chunk of this session is in flight")
+    async with record.lock:
+        frame = (await _submitted_frame(request, session.protocol, prompt)).frame
+        ended = await session.run_turn(frame)  # the outcome is this request's answer
+        if ended is None:
+            # Its stored record moved on (another replica claimed it): it ends here.
+            await sessions.close(session)
+            raise SessionNotFound("this session was resumed elsewhere")
+        if ended.error is None:
+            return JSONResponse(dump(ended.done))
+        if ended.close_reason is not None:
+            # The session is over (engine_error, context_exceeded): not listed any more.
+            await sessions.close(session)
+        return error_response(
+            ended.error,
+            status_for(ended.error),  # engine_error: 503
+            extra={"response": dump(ended.done)},
+        )
 
 
 async def _submitted_frame(
-    request: Request, record: SessionRecord, prompt: str | None
+    request: Request, proto: SessionProtocol, prompt: str | None
 ) -> SubmitFrame:
     """The request body as one frame.append (text/* bodies are text, anything else binary)."""
-    body = await read_body(request, record.protocol.limits.max_frame_bytes)
-    proto = record.protocol
+    body = await read_body(request, proto.limits.max_frame_bytes)
     if request.headers.get("content-type", "").startswith("text/"):
         if not body:
             # FrameAppendEvent(text="") raised pydantic's ValidationError: a 500.

@@ -15,8 +15,9 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from realtime.hub import SessionHub, SessionRecord, TurnOutcome
 from realtime.resumption import new_token
@@ -31,7 +32,12 @@ from vllm_realtime_protocol import (
     ResponseStatus,
     ResponseTextDeltaEvent,
     ResumeSession,
+    ServerCloseReason,
+    ServerEvent,
+    SessionConfig,
     SessionProtocol,
+    State,
+    error_event,
 )
 
 log = logging.getLogger("vllm_realtime")
@@ -60,6 +66,29 @@ async def answer(
     return TurnOutcome(done, report.error)
 
 
+@dataclass(frozen=True)
+class TurnEnd:
+    """One turn as its transport goes on from it: the outcome (its response.done carries
+    `stored` once the fold is written) and `engine_lost`: the engine died under the turn, and
+    nothing was sent yet (a stored session is handed over with no response.done: the client
+    sends the chunk again after the resume; else the transport sends the outcome)."""
+
+    outcome: TurnOutcome
+    engine_lost: bool = False
+
+    @property
+    def done(self) -> ResponseDoneEvent:
+        return self.outcome.done
+
+    @property
+    def error(self) -> RealtimeError | None:
+        return self.outcome.error
+
+    @property
+    def close_reason(self) -> ServerCloseReason | None:
+        return self.outcome.close_reason
+
+
 @dataclass
 class Rebuilt:
     """A session claimed from the store: its session here, the token issued, and the tokens
@@ -75,15 +104,34 @@ class Session:
     once opened, the idle clock, and the store writer (`fence` not None: stored)."""
 
     def __init__(
-        self, hub: SessionHub, owner: str | None, protocol: SessionProtocol | None = None
+        self,
+        hub: SessionHub,
+        owner: str | None,
+        protocol: SessionProtocol | None = None,
+        *,
+        bound_config: SessionConfig | None = None,
     ) -> None:
         self.hub = hub
         self.owner = owner
         self.protocol = protocol if protocol is not None else hub.new_protocol()
         self.record: SessionRecord | None = None
         self.closed = False
+        # Opened with a client secret bound to a session config: session.open opens that one.
+        self.bound_config = bound_config
         # Before the open the idle clock is the session's own; then the record's (one clock).
         self._idle_since = time.monotonic()
+        # The chunk in flight on a WebSocket session (its turn task) and its cancel signal.
+        self.turn: asyncio.Task[None] | None = None
+        self.cancelled = asyncio.Event()
+        # A resumable session outlives its socket: parked (no socket, the turn runs on) until a
+        # session.resume takes it up or its grace period ends (`expiry`).
+        self.parked = False
+        self.expiry: asyncio.Task[None] | None = None
+        # server.draining was sent: the session closes as soon as no reply is in flight.
+        self.draining = False
+        # The engine died under this stored session: it is handed over, and the chunk in
+        # flight gets no response.done here (the client sends it again after the resume).
+        self.lost_engine = False
         # What the transport does when another replica took the session (the fence moved on).
         self.on_lost: Callable[[], Awaitable[None]] | None = None
         # Session store (issue #39): the fence held (None: not stored), the task that keeps the
@@ -129,19 +177,53 @@ class Session:
 
     # -- turns
 
+    def start_turn(self, turn: Coroutine[Any, Any, None]) -> None:
+        """Run an accepted chunk's turn as the session's task (the transport goes on reading)."""
+        self.cancelled.clear()
+        self.turn = asyncio.create_task(turn)
+
+    def turn_running(self) -> asyncio.Task[None] | None:
+        return self.turn if self.turn is not None and not self.turn.done() else None
+
+    async def stop_turn(self) -> None:
+        """The session ends: cancel the turn in flight (not the task this runs in) and wait."""
+        turn, self.turn = self.turn, None
+        if turn is not None and not turn.done() and turn is not asyncio.current_task():
+            # Cancelling the consumer inside generate() makes vLLM abort the request.
+            self.cancelled.set()
+            turn.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await turn
+
     async def run_turn(
         self,
         frame: Frame,
         *,
-        on_delta: Callable[[ResponseTextDeltaEvent], Awaitable[None]] | None = None,
-        cancelled: asyncio.Event | None = None,
-    ) -> TurnOutcome | None:
-        """Run one accepted chunk; None when this replica no longer holds the stored session
-        (no second writer, ever: the caller lets it go)."""
+        send: Callable[[ServerEvent], Awaitable[None]] | None = None,
+    ) -> TurnEnd | None:
+        """Run one accepted chunk to its end, the transport's one call per turn: its deltas,
+        then its response.done (after its fold is written) and the error that failed it go to
+        `send` (None: the caller answers with the outcome's); the deltas stop once `cancelled`
+        is set. None when this replica no longer holds the stored session (no second writer,
+        ever: the caller lets it go)."""
         assert self.record is not None
         if not await self.still_held():
             return None
-        return await answer(self.hub, self.record, frame, on_delta=on_delta, cancelled=cancelled)
+        outcome = await answer(
+            self.hub, self.record, frame, on_delta=send, cancelled=self.cancelled
+        )
+        if outcome.close_reason == "engine_error" and not await self.hub.check_engine():
+            log.error("engine is down; ending session id=%s", self.session_id[:12])
+            return TurnEnd(outcome, engine_lost=True)
+        done, stored = await self.store_turn(frame, outcome)
+        outcome = dataclasses.replace(outcome, done=done)
+        if send is not None:
+            await send(done)
+        if stored is not None:
+            await self.persist_consolidated(stored)
+        if send is not None and outcome.error is not None:
+            await send(error_event(outcome.error))
+        return TurnEnd(outcome)
 
     async def store_turn(
         self, frame: Frame, outcome: TurnOutcome
@@ -166,6 +248,53 @@ class Session:
         status: ResponseStatus = "failed" if failed else "cancelled"
         reason = close.reason if close is not None else "disconnect"
         return self.protocol.response_finished(status, status_reason=reason)
+
+    # -- parking (realtime/resumption.py)
+
+    def can_park(self, server_draining: bool) -> bool:
+        """Whether a dropped socket parks this session (else the drop closes it)."""
+        config = self.protocol.config
+        return (
+            config is not None
+            and config.resumable is not None
+            and self.record is not None
+            and not self.draining
+            and not server_draining
+            and self.protocol.state in (State.IDLE, State.AWAITING_BINARY, State.AWAITING_RESPONSE)
+        )
+
+    def park(self, on_expired: Callable[[], Awaitable[None]]) -> None:
+        """The socket dropped: keep the session (engine request, KV, reservation) for its grace
+        period; a reply in flight runs on and its response.done is kept
+        (vllm_realtime_protocol.state). `on_expired`: how the transport ends it after that."""
+        self.protocol.detach()
+        self.parked = True
+        self.hub.metrics.sessions_parked.inc()
+        grace = self.grace()
+        self.expiry = asyncio.create_task(self._expire_after(grace, on_expired))
+        log.info("session parked id=%s grace=%.1fs", self.session_id[:12], grace)
+
+    def parked_elsewhere(self) -> None:
+        """Rebuilt from the store, no socket yet: parked until the resume attaches one."""
+        self.parked = True
+        self.hub.metrics.sessions_parked.inc()
+
+    async def _expire_after(self, grace: float, on_expired: Callable[[], Awaitable[None]]) -> None:
+        await asyncio.sleep(grace)
+        if not self.parked or self.closed:
+            return
+        log.info("session expired id=%s", self.session_id[:12])
+        self.hub.metrics.sessions_expired.inc()
+        self.expiry = None  # the transport's close must not cancel the task it runs in
+        await on_expired()
+
+    def unpark(self) -> None:
+        if self.parked:
+            self.parked = False
+            self.hub.metrics.sessions_parked.dec()
+        expiry, self.expiry = self.expiry, None
+        if expiry is not None and expiry is not asyncio.current_task():
+            expiry.cancel()
 
     # -- the session store (realtime/session_store.py)
 
