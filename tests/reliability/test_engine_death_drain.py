@@ -98,7 +98,7 @@ async def test_stored_sessions_are_handed_over_and_the_others_get_engine_error()
         assert kinds(ws) == [("error", "engine_error"), ("session.closed", "engine_error")]
     assert all(c.closed for c in (stored, behind, unstored)) and not live
     assert len(closed_http) == 1  # the HTTP session too
-    assert stored.lost_engine and not behind.lost_engine
+    assert stored.session.lost_engine and not behind.session.lost_engine
     # Admission: engine_error now, not "shutting down" (the server may be kept up).
     assert lifecycle.draining and lifecycle.seconds_left() == 0.0
     with pytest.raises(EngineError):
@@ -114,12 +114,12 @@ async def test_a_drain_under_way_is_cut_short_by_the_engine_death() -> None:
     lifecycle.start_drain()
     with pytest.raises(CapacityExceeded):
         lifecycle.check_admitting()
-    conn.turn = asyncio.create_task(asyncio.sleep(60))  # a reply in flight holds the close
+    conn.session.turn = asyncio.create_task(asyncio.sleep(60))  # a reply in flight holds the close
     await conn.begin_drain(lifecycle.seconds_left())
     assert [k for k, _ in kinds(ws)] == ["server.draining"] and not conn.closed
     await drain_dead_engine(lifecycle, live, {}, close_http=_nothing, why="EngineDeadError")
     assert [k for k, _ in kinds(ws)] == ["server.draining", "session.closed"]
-    assert ws.sent[-1]["reason"] == "server_shutdown" and conn.lost_engine
+    assert ws.sent[-1]["reason"] == "server_shutdown" and conn.session.lost_engine
 
 
 async def _nothing(record: object) -> None:
