@@ -69,7 +69,7 @@ async def serve(settings: Any, model_name: str, **config: Any) -> AsyncIterator[
     from realtime.config import ServerConfig
     from realtime.engine import start_engine
     from realtime.hub import SessionHub
-    from realtime.server import create_app
+    from realtime.server import WS_IMPLEMENTATION, create_app
 
     engine = start_engine(settings)
     manager = engine.engine_core.resources.engine_manager
@@ -87,7 +87,7 @@ async def serve(settings: Any, model_name: str, **config: Any) -> AsyncIterator[
 
     app = create_app(hub_factory, cfg)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets")
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws=WS_IMPLEMENTATION)
     )
     task = asyncio.create_task(server.serve())
     try:

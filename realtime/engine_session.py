@@ -50,6 +50,7 @@ from retention.policy import (
     idle_time_suffices,
 )
 from retention.records import CONTEXT_LENGTH_EXCEEDED, SessionReport, SessionSnapshot
+from retention.vllm_adapter.rendering import render_prompt
 from vllm_realtime_protocol import (
     ContextExceeded,
     EngineError,
@@ -645,7 +646,8 @@ class EngineSession:
         await self._wait_idle_consolidation()
         if self.finished:
             raise EngineError("the engine ended this session")
-        self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
+        rendered = await render_prompt(self.engine, prompt)
+        self._inputs.put_nowait(StreamingInput(prompt=rendered, sampling_params=params))
         if self._outputs is None:
             self._outputs = self.engine.generate(
                 self._input_stream(), self._sampling_params, request_id=self.request_id
@@ -796,7 +798,8 @@ class EngineSession:
         # The token is never computed: the scheduler drops it at the fold.
         prompt = TokensPrompt(prompt_token_ids=[0])
         started = time.perf_counter()
-        self._inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
+        rendered = await render_prompt(self.engine, prompt)
+        self._inputs.put_nowait(StreamingInput(prompt=rendered, sampling_params=params))
         assert self._outputs is not None
         while True:
             out = await self._next_output()

@@ -37,6 +37,7 @@ from retention.selfcheck import (
     dense_logprobs,
     masked_logprobs,
 )
+from retention.vllm_adapter.rendering import render_prompt
 
 CHUNK_TOKENS = 24
 TOP_K = 5
@@ -123,9 +124,8 @@ class Session:
 
         params = self.params.clone()
         params.max_tokens = max_tokens
-        self.inputs.put_nowait(
-            StreamingInput(prompt=TokensPrompt(prompt_token_ids=token_ids), sampling_params=params)
-        )
+        prompt = await render_prompt(self.engine, TokensPrompt(prompt_token_ids=token_ids))
+        self.inputs.put_nowait(StreamingInput(prompt=prompt, sampling_params=params))
         if self.outputs is None:
             self.outputs = self.engine.generate(
                 self._stream(), self.params, request_id=self.request_id
@@ -313,7 +313,9 @@ class Checker:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=2 * BLOCK_SIZE, temperature=0.0, ignore_eos=True)
-        prompt = TokensPrompt(prompt_token_ids=chunks.next(3 * BLOCK_SIZE))
+        prompt = await render_prompt(
+            self.engine, TokensPrompt(prompt_token_ids=chunks.next(3 * BLOCK_SIZE))
+        )
         async for _ in self.engine.generate(
             prompt, params, request_id=f"selfcheck-plain-{uuid.uuid4().hex[:8]}"
         ):

@@ -25,7 +25,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,17 +64,11 @@ from vllm_realtime_protocol import (
 
 __all__ = ["Connection", "create_app", "redact_path", "run_server"]
 
-UVICORN_LEGACY_WS_DEPRECATION = "The `websockets` implementation is deprecated"
-
-
-def quiet_uvicorn_legacy_ws() -> None:
-    """uvicorn deprecates its own legacy `websockets` implementation when it imports it; serve
-    keeps that one until the sansio one is tested here, so the notice only says so again."""
-    warnings.filterwarnings(
-        "ignore",
-        message=UVICORN_LEGACY_WS_DEPRECATION,
-        module="uvicorn.protocols.websockets.websockets_impl",
-    )
+WS_IMPLEMENTATION = "websockets-sansio"
+"""uvicorn's WebSocket implementation: its sans-I/O one over the `websockets` protocol (the
+legacy one is deprecated by uvicorn). It pauses reading a socket until the app took the message
+before, and a send waits while the socket's write buffer is full: a client that never reads
+holds its own connection, not the server's memory (tests/scale_out/test_engine_death.py)."""
 
 
 log = logging.getLogger("vllm_realtime")
@@ -398,7 +391,6 @@ def _draining_server(app: FastAPI, config: ServerConfig) -> Any:
     from realtime.drain import DrainingServer
     from vllm_realtime_protocol import DEFAULT_MAX_EVENT_BYTES
 
-    quiet_uvicorn_legacy_ws()
     return DrainingServer(
         uvicorn.Config(
             app,
@@ -406,7 +398,7 @@ def _draining_server(app: FastAPI, config: ServerConfig) -> Any:
             port=config.port,
             workers=1,
             log_level="info",
-            ws="websockets",
+            ws=WS_IMPLEMENTATION,
             # uvicorn's own WebSocket cap (16 MiB) equalled limits.max_event_bytes, so a text
             # message over the limit was never answered with the documented frame_too_large:
             # the socket closed with 1009 instead. A margin makes the documented answer

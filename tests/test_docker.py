@@ -384,8 +384,10 @@ def _stand_in_app(name: str, draining: threading.Event | None = None) -> Any:
 def _serve(app: Any, port: int) -> Iterator[None]:
     import uvicorn
 
+    from realtime.server import WS_IMPLEMENTATION
+
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets")
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws=WS_IMPLEMENTATION)
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

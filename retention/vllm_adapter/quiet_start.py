@@ -12,6 +12,7 @@ which those processes inherit.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 
 
@@ -21,6 +22,9 @@ class DeliberateWarning:
     msg: str
     args: tuple[str, ...] | None
     why: str
+    raised_in: str | None = None
+    """Dropped only when a frame of the logging call's stack runs the vLLM function of this name
+    (None: wherever it is raised)."""
 
 
 SCHEDULER_CLASS = "retention.vllm_adapter.session_scheduler.RealtimeSessionScheduler"
@@ -71,6 +75,15 @@ DELIBERATE_WARNINGS: tuple[DeliberateWarning, ...] = (
         None,
         "serve binds no threads (nobind); OMP_NUM_THREADS sizes the worker",
     ),
+    DeliberateWarning(
+        "vllm.v1.engine.input_processor",
+        "Passing raw prompts to InputProcessor is deprecated and will be removed in the future. "
+        "You should instead pass the outputs of Renderer.render_cmpl() or Renderer.render_chat().",
+        None,
+        "raised by vLLM's own validation request of every streaming session (a raw "
+        "TokensPrompt([0])); our chunks are rendered first (rendering.py)",
+        raised_in="_add_streaming_input_request",
+    ),
 )
 
 # Python-warning filters (PYTHONWARNINGS syntax: action:message-prefix:category), each why.
@@ -95,10 +108,23 @@ class DeliberateChoiceFilter(logging.Filter):
             return True
         args = tuple(_arg_text(a) for a in record.args) if isinstance(record.args, tuple) else ()
         for entry in self.entries:
-            if record.msg == entry.msg and (entry.args is None or args == entry.args):
-                self.dropped += 1
-                return False
+            if record.msg != entry.msg or (entry.args is not None and args != entry.args):
+                continue
+            if entry.raised_in is not None and not _on_stack(entry.raised_in):
+                continue
+            self.dropped += 1
+            return False
         return True
+
+
+def _on_stack(function: str) -> bool:
+    """Whether a frame of the current call stack runs a function named `function`."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _arg_text(arg: object) -> str:

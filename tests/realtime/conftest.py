@@ -55,7 +55,7 @@ async def _serve(
 
     from realtime.config import ServerConfig
     from realtime.hub import SessionHub
-    from realtime.server import create_app
+    from realtime.server import WS_IMPLEMENTATION, create_app
 
     port = port or free_port()
     # The shared engines have a 1024-token context: with the default 128-token chunk cap a
@@ -74,7 +74,7 @@ async def _serve(
 
     app = create_app(hub_factory, config)
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets")
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws=WS_IMPLEMENTATION)
     )
     task = asyncio.create_task(server.serve())
     for _ in range(200):

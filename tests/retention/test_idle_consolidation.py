@@ -45,6 +45,10 @@ class Recording:
         self.engine = engine
         self.outputs: list[Any] = []
 
+    def __getattr__(self, name: str) -> Any:
+        # The renderer and model config the session renders its chunks with.
+        return getattr(self.engine, name)
+
     def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         inner = self.engine.generate(*args, **kwargs)
 

@@ -35,6 +35,10 @@ class TokenLog:
         self.engine = engine
         self.ids: list[int] = []
 
+    def __getattr__(self, name: str) -> Any:
+        # The renderer and model config the session renders its chunks with.
+        return getattr(self.engine, name)
+
     def generate(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         inner = self.engine.generate(*args, **kwargs)
 

@@ -89,6 +89,10 @@ class TokenLog:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
 
+    def __getattr__(self, name: str) -> Any:
+        # The renderer and model config the session renders its chunks with.
+        return getattr(self.engine, name)
+
     def generate(self, inputs: Any, params: Any, **kwargs: Any) -> AsyncIterator[Any]:
         async def with_logprobs() -> AsyncIterator[Any]:
             async for chunk in inputs:
