@@ -77,6 +77,14 @@ def test_serve_passes_the_chosen_dtype_and_says_why_in_one_line(
     assert build_engine_args(through, ZEN4).dtype == "float16"
 
 
+def test_serve_on_an_avx2_cpu_builds_the_engine_of_dtype_float32() -> None:
+    # So `make run` on an AVX2-only CPU answers as `--dtype float32` does: the same engine.
+    chosen = build_engine_args(EngineSettings(model="tiny-qwen2-vl"), AVX2)
+    explicit = build_engine_args(EngineSettings(model="tiny-qwen2-vl", dtype="float32"), AVX2)
+    assert chosen == explicit
+    assert build_engine_args(EngineSettings(model="tiny-qwen2-vl"), ZEN4) != explicit
+
+
 def test_the_default_pool_holds_what_max_sessions_can_reserve() -> None:
     # The tiny VLM: 2 layers x 2 KV heads x 32 dims x (K, V) = 256 values a token.
     from realtime.models import resolve_model
