@@ -11,7 +11,7 @@ request (`TokensPrompt([0])`, built inside `AsyncLLM._add_streaming_input_reques
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pytest
@@ -19,48 +19,13 @@ import pytest
 import realtime.engine_session as engine_session
 from realtime.engine_session import ChunkDelta, ChunkFinished, EngineSession
 from retention.vllm_adapter.rendering import is_rendered
-from tests.retention.vlm_oracle import SYSTEM, frame_clip, frame_image, frame_prompt
+from tests.retention.vlm_oracle import SYSTEM, TokenLog, frame_clip, frame_image, frame_prompt
 from vllm_realtime_protocol import SamplingConfig
 
 pytestmark = pytest.mark.slow
 
 BUDGET = {"sink_chunks": 1, "window_chunks": 2, "low_watermark_ratio": 0.5}
 VALIDATION_PROMPT = {"prompt_token_ids": [0]}
-
-
-class Logprobs:
-    """The engine, each output token's log-probability kept (every chunk asks for it: vLLM sets
-    up a streaming request's log-prob processor once, so all chunks must agree)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.pairs: list[tuple[int, float]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
-
-    def generate(self, inputs: Any, params: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        async def with_logprobs() -> AsyncIterator[Any]:
-            async for chunk in inputs:
-                if chunk.sampling_params is not None:
-                    chunk.sampling_params.logprobs = 0
-                yield chunk
-
-        params.logprobs = 0
-        inner = self.engine.generate(with_logprobs(), params, **kwargs)
-
-        async def gen() -> AsyncIterator[Any]:
-            try:
-                async for out in inner:
-                    if out.outputs:
-                        c = out.outputs[0]
-                        for tok, entry in zip(c.token_ids, c.logprobs or [], strict=False):
-                            self.pairs.append((tok, entry[tok].logprob))
-                    yield out
-            finally:
-                await inner.aclose()
-
-        return gen()
 
 
 @pytest.fixture
@@ -91,7 +56,7 @@ def chunks() -> list[dict[str, Any]]:
 
 
 async def run_session(engine: Any) -> list[tuple[int, float]]:
-    log = Logprobs(engine)
+    log = TokenLog(engine)
     es = EngineSession(
         log,
         f"render-{uuid.uuid4().hex[:12]}",
@@ -110,7 +75,7 @@ async def run_session(engine: Any) -> list[tuple[int, float]]:
             assert finished is not None
     finally:
         await es.abort()
-    return log.pairs
+    return list(zip(log.ids, log.logprobs, strict=True))
 
 
 async def test_rendered_chunks_answer_as_raw_prompts_and_vllm_gets_only_rendered_ones(

@@ -35,6 +35,7 @@ from realtime.session_store import MediaKind, held_media
 from retention.vllm_adapter.introspect import retention_state, worker_stats
 from tests.conftest import engine_settings
 from tests.realtime.conftest import camera_jpeg
+from tests.retention.vlm_oracle import TokenLog
 from vllm_realtime_protocol import Frame, SamplingConfig, SessionConfig
 
 pytestmark = pytest.mark.slow
@@ -77,48 +78,6 @@ def frame(
         prompt=prompt,
         timestamp=None,
     )
-
-
-class TokenLog:
-    """The engine, with every output token id and its log-probability kept. Every chunk asks
-    for the sampled token's log-probability (vLLM's front end sets up its log-prob processor
-    once per streaming request, so all chunks of one session must agree)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-
-    def __getattr__(self, name: str) -> Any:
-        # The renderer and model config the session renders its chunks with.
-        return getattr(self.engine, name)
-
-    def generate(self, inputs: Any, params: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        async def with_logprobs() -> AsyncIterator[Any]:
-            async for chunk in inputs:
-                if chunk.sampling_params is not None:
-                    chunk.sampling_params.logprobs = 0
-                yield chunk
-
-        params.logprobs = 0
-        inner = self.engine.generate(with_logprobs(), params, **kwargs)
-
-        async def gen() -> AsyncIterator[Any]:
-            try:
-                async for out in inner:
-                    if out.outputs:
-                        c = out.outputs[0]
-                        self.ids.extend(c.token_ids)
-                        for tok, entry in zip(c.token_ids, c.logprobs or [], strict=False):
-                            self.logprobs.append(entry[tok].logprob)
-                    yield out
-            finally:
-                await inner.aclose()
-
-        return gen()
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
 
 
 def session(log: TokenLog) -> EngineSession:

@@ -43,6 +43,48 @@ TOP_K = 5
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
 
 
+class TokenLog:
+    """The engine, with every output token id and its log-probability kept. Every chunk asks
+    for the sampled token's log-probability (vLLM's front end sets up its log-prob processor
+    once per streaming request, so all chunks of one session must agree)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        # The renderer and model config the session renders its chunks with.
+        return getattr(self.engine, name)
+
+    def generate(self, inputs: Any, params: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async def with_logprobs() -> AsyncIterator[Any]:
+            async for chunk in inputs:
+                if chunk.sampling_params is not None:
+                    chunk.sampling_params.logprobs = 0
+                yield chunk
+
+        params.logprobs = 0
+        inner = self.engine.generate(with_logprobs(), params, **kwargs)
+
+        async def gen() -> AsyncIterator[Any]:
+            try:
+                async for out in inner:
+                    if out.outputs:
+                        c = out.outputs[0]
+                        self.ids.extend(c.token_ids)
+                        for tok, entry in zip(c.token_ids, c.logprobs or [], strict=False):
+                            self.logprobs.append(entry[tok].logprob)
+                    yield out
+            finally:
+                await inner.aclose()
+
+        return gen()
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+
 def frame_prompt(i: int, kind: str = "image") -> str:
     pad = "<|image_pad|>" if kind == "image" else "<|video_pad|>"
     return (
