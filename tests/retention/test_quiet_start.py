@@ -25,12 +25,17 @@ from retention.vllm_adapter.quiet_start import (
 )
 
 
-def _string_constants(module: str) -> set[str]:
-    """Every string literal of `module`'s source (implicit concatenations joined), unimported."""
+def _vllm_source(module: str) -> ast.Module:
+    """The installed vLLM module's source, parsed, unimported."""
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.origin is not None
     path = Path(spec.origin).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    tree = ast.parse(path.read_text())
+    return ast.parse(path.read_text())
+
+
+def _string_constants(module: str) -> set[str]:
+    """Every string literal of `module`'s source (implicit concatenations joined)."""
+    tree = _vllm_source(module)
     return {
         node.value
         for node in ast.walk(tree)
@@ -101,10 +106,7 @@ def test_a_warning_of_vllms_own_call_is_dropped_only_when_that_call_raises_it() 
 
 
 def _function_names(module: str) -> set[str]:
-    spec = importlib.util.find_spec("vllm")
-    assert spec is not None and spec.origin is not None
-    path = Path(spec.origin).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    tree = ast.parse(path.read_text())
+    tree = _vllm_source(module)
     return {
         node.name
         for node in ast.walk(tree)
