@@ -13,6 +13,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from tests.python_source import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_FUNCTION_LINES = 80
 MAX_BENCH_MODULES = 12
@@ -44,7 +46,7 @@ LONG_KNOWN: dict[str, int] = {}
 def _modules(*folders: str) -> Iterator[tuple[str, ast.Module]]:
     for folder in folders:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))
+            yield path.relative_to(ROOT).as_posix(), parse(path)
 
 
 SOURCE_ROOTS = ("protocol/", "clients/python/")
@@ -191,7 +193,7 @@ def test_bench_is_small_and_imports_nothing_from_tests() -> None:
 
 
 def test_the_retention_policy_imports_only_the_standard_library_and_retention() -> None:
-    tree = ast.parse((ROOT / "retention" / "policy.py").read_text())
+    tree = parse(ROOT / "retention" / "policy.py")
     outside = {
         name
         for name in _imports("retention/policy.py", tree)

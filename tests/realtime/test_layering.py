@@ -8,13 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.python_source import parse
+
 REALTIME = Path(__file__).resolve().parents[2] / "realtime"
 
 
 def imported_modules(path: Path) -> set[str]:
     """Every module a file imports, at the top or inside a function."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:

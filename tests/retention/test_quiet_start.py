@@ -23,6 +23,7 @@ from retention.vllm_adapter.quiet_start import (
     install_quiet_start,
     quiet_start_warning_filters,
 )
+from tests.python_source import parse
 
 
 def _vllm_source(module: str) -> ast.Module:
@@ -30,7 +31,7 @@ def _vllm_source(module: str) -> ast.Module:
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.origin is not None
     path = Path(spec.origin).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    return ast.parse(path.read_text())
+    return parse(path)
 
 
 def _string_constants(module: str) -> set[str]:

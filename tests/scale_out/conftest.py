@@ -287,6 +287,36 @@ def replica_pair(
             r.stop()
 
 
+# What the running test opened: its sockets, and each session's replica and resume token.
+_SOCKETS: list[Any] = []
+_SESSIONS: dict[str, tuple[Replica, str]] = {}
+
+
+async def _end(ws: Any) -> None:
+    with contextlib.suppress(Exception):
+        await ws.send(json.dumps({"type": "session.close"}))
+        await recv_type(ws, "session.closed", "error", timeout=10)
+    with contextlib.suppress(Exception):
+        await ws.close()
+
+
+@pytest.fixture(autouse=True)
+async def _close_what_the_test_left() -> AsyncIterator[None]:
+    """A failed test's sockets live on in its traceback, and a session whose socket it dropped
+    stays parked for its resume grace, holding its KV reservation: the module's next tests were
+    then refused admission. Each session the test left is closed (a parked one resumed first),
+    so one failure stays one failure."""
+    yield
+    for _ in range(2):  # the sockets the test left, then those that resumed its parked sessions
+        while _SOCKETS:
+            await _end(_SOCKETS.pop())
+        parked = list(_SESSIONS.items())
+        _SESSIONS.clear()
+        for session_id, (replica, token) in parked:
+            with contextlib.suppress(Exception):
+                await resume(replica, session_id, token)  # session_not_found: it was closed
+
+
 async def connect(replica: Replica, key: str = "key-a") -> Any:
     ws = await websockets.connect(
         replica.url,
@@ -294,6 +324,7 @@ async def connect(replica: Replica, key: str = "key-a") -> Any:
         additional_headers={"Authorization": f"Bearer {key}"},
         max_size=None,
     )
+    _SOCKETS.append(ws)
     created = json.loads(await ws.recv())
     assert created["type"] == "session.created"
     return ws
@@ -313,6 +344,7 @@ async def open_session(
     await ws.send(json.dumps({**opening, **extra}))
     opened = await recv_type(ws, "session.opened", "error")
     assert opened["type"] == "session.opened", opened
+    _SESSIONS[opened["session_id"]] = (replica, opened["resume_token"])
     return ws, opened["session_id"], opened["resume_token"]
 
 
@@ -329,7 +361,10 @@ async def resume(replica: Replica, session_id: str, token: str, key: str = "key-
     await ws.send(
         json.dumps({"type": "session.resume", "session_id": session_id, "resume_token": token})
     )
-    return ws, await recv_type(ws, "session.resumed", "error")
+    answer = await recv_type(ws, "session.resumed", "error")
+    if answer["type"] == "session.resumed":
+        _SESSIONS[session_id] = (replica, answer["resume_token"])
+    return ws, answer
 
 
 async def events_until_closed(ws: Any, timeout: float = 60) -> list[dict[str, Any]]:

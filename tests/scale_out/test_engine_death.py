@@ -55,7 +55,12 @@ from tests.scale_out.conftest import (
 
 pytestmark = pytest.mark.slow
 
+HANG_S = 10.0
 OUTAGE_S = 30.0
+# Fixed counts, paced over the outage: the resumed session's answer depends on how many turns
+# it held (a time-bound loop gave 5 turns here and 6 in CI, and the 6th changed the answer).
+TURNS_DURING_HANG = 5
+TURNS_DURING_OUTAGE = 7
 ENGINE_DEAD_EXIT_STATUS = 3  # realtime.server (not imported: it pulls in the server)
 OPEN_TEXT = {
     "type": "session.open",
@@ -150,7 +155,10 @@ async def test_redis_outages_mid_session(
     hung = time.monotonic()
     slow: list[str] = []
     try:
-        while time.monotonic() - hung < 10:
+        for turn in range(TURNS_DURING_HANG):
+            await asyncio.sleep(
+                max(0.0, hung + turn * HANG_S / TURNS_DURING_HANG - time.monotonic())
+            )
             started = time.monotonic()
             events = await turn_events(ws, "Tell me a colour.")
             texts += 1
@@ -161,6 +169,7 @@ async def test_redis_outages_mid_session(
                 f"{time.monotonic() - started:.1f} s (engine {engine_ms / 1e3:.1f} s): "
                 f"{summary(events)}"
             )
+        await asyncio.sleep(max(0.0, hung + HANG_S - time.monotonic()))
     finally:
         redis.hang(False)
     took = await wait_stored(redis_client, sid, texts)
@@ -176,7 +185,10 @@ async def test_redis_outages_mid_session(
     assert refused["type"] == "error" and refused["error"]["code"] == "capacity_exceeded", refused
     await moved.close()
     seen: list[str] = []
-    while time.monotonic() - stopped < OUTAGE_S:
+    for turn in range(TURNS_DURING_OUTAGE):
+        await asyncio.sleep(
+            max(0.0, stopped + turn * OUTAGE_S / TURNS_DURING_OUTAGE - time.monotonic())
+        )
         events = await turn_events(ws, "Tell me a colour.")
         texts += 1
         done = events[-1]
@@ -184,7 +196,7 @@ async def test_redis_outages_mid_session(
         assert done["stored"] is False, done  # served; resumable on this replica only for now
         assert [e["type"] for e in events if e["type"] == "error"] == [], events
         seen.append(f"{time.monotonic() - stopped:4.1f} s: {summary(events)}")
-        await asyncio.sleep(4)
+    await asyncio.sleep(max(0.0, stopped + OUTAGE_S - time.monotonic()))
     vdone = await show(video, frames)
     frames += 1
     assert vdone["stored"] is False, vdone
