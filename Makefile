@@ -1,7 +1,7 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint unit bench types compat test-v2
+.PHONY: setup run test lint unit bench types compat test-v2 dtype-check
 
 $(VENV)/.setup-done: pyproject.toml protocol/pyproject.toml clients/python/pyproject.toml scripts/setup.sh scripts/torchvision_cpu_shim.py
 	bash scripts/setup.sh
@@ -26,6 +26,11 @@ lint: setup
 ## docs/history/v2-runner.md for the times.
 test-v2: setup
 	REALTIME_TEST_RUNNER=v2 $(BIN)/python -m pytest -m v2 $(PYTEST_ARGS)
+
+## Not a test: one camera on serve's own dtype, then on --dtype float32 (bench.capacity
+## --dtype-check); .ci/run ends with it, so each CI machine reports its CPU and both p50s.
+dtype-check: setup
+	$(BIN)/python -m bench.capacity --dtype-check $(ARGS)
 
 ## Fast tests only (no engine).
 unit: setup

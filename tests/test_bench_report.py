@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.report import emit_json, trace_summary
 
@@ -66,3 +70,41 @@ def test_the_uni_executor_the_latency_bench_names_is_vllms() -> None:
     # "mp" is passed through as a backend name: it must be one vLLM accepts.
     assert EXECUTORS["mp"] in get_args(DistributedExecutorBackend)
     assert issubclass(resolve_obj_by_qualname(EXECUTORS["uni"]), Executor)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(min_value=0, max_value=12),
+    start=st.integers(min_value=0, max_value=25),
+    flaky=st.sets(st.integers(min_value=1, max_value=12)),
+)
+def test_the_box_finds_the_same_true_capacity_from_wherever_admission_stopped(
+    capacity: int, start: int, flaky: set[int]
+) -> None:
+    """bench.capacity --box's search after the admitted run: from any admitted count, up or down,
+    it ends on the largest level that meets the SLO, and a level that missed once (a stall) is
+    tried again before it counts as a miss."""
+    import argparse
+
+    import bench.capacity as box
+
+    tried: list[int] = []
+
+    async def level(url: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+        first = n in flaky and n not in tried
+        tried.append(n)
+        slow = n > capacity or first
+        return {"sessions": n, "admitted": n, "p99_ms": 1500.0 if slow else 500.0,
+                "answered_share": 1.0}  # fmt: skip
+
+    async def no_wait(_: float) -> None:
+        return None
+
+    args = argparse.Namespace(fps=1.0, max_level=12, window=4, max_tokens=8, declare=False,
+                              seconds=1.0, warmup=0.0)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(box, "_camera_level", level)
+        patch.setattr(box.asyncio, "sleep", no_wait)
+        found, levels = asyncio.run(box._capacity_near("ws://unused", start, args))
+    assert found == capacity
+    assert len(levels) == len(tried)
