@@ -738,6 +738,30 @@ def _dtype_check_line(result: dict[str, Any]) -> str:
     )
 
 
+def _run_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """The mode the flags name, with its defaults."""
+    if args.startup:
+        start = one_start(args.serve_args, args.port, args.cwd, 900.0)
+        return {"commit": _commit(args.cwd), "serve_args": args.serve_args, "run": start}
+    if args.dtype_check:
+        args.seconds = args.seconds or 30.0
+        args.warmup = 5.0 if args.warmup is None else args.warmup
+        return run_dtype_check(args)
+    if args.box:
+        args.seconds = args.seconds or (20.0 if args.quick else 60.0)
+        args.warmup = 5.0 if args.warmup is None else args.warmup
+        if args.quick:
+            args.seconds = min(args.seconds, 20.0)
+            args.max_level = min(args.max_level, 6)
+        return run_box(args)
+    if args.camera:
+        args.seconds = args.seconds or 30.0
+        args.warmup = args.warmup or 0.0
+        args.levels = args.levels or [1, 4, 8, 12, 16, 20]
+        return asyncio.run(camera(args))
+    return asyncio.run(run(args))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -795,27 +819,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("serve_args", nargs="*", help="--box, --startup: after --, serve's flags")
     args = parser.parse_args()
-    if args.startup:
-        start = one_start(args.serve_args, args.port, args.cwd, 900.0)
-        result = {"commit": _commit(args.cwd), "serve_args": args.serve_args, "run": start}
-    elif args.dtype_check:
-        args.seconds = args.seconds or 30.0
-        args.warmup = 5.0 if args.warmup is None else args.warmup
-        result = run_dtype_check(args)
-    elif args.box:
-        args.seconds = args.seconds or (20.0 if args.quick else 60.0)
-        args.warmup = 5.0 if args.warmup is None else args.warmup
-        if args.quick:
-            args.seconds = min(args.seconds, 20.0)
-            args.max_level = min(args.max_level, 6)
-        result = run_box(args)
-    elif args.camera:
-        args.seconds = args.seconds or 30.0
-        args.warmup = args.warmup or 0.0
-        args.levels = args.levels or [1, 4, 8, 12, 16, 20]
-        result = asyncio.run(camera(args))
-    else:
-        result = asyncio.run(run(args))
+    result = _run_mode(args)
     out = json.dumps(result, indent=2)
     print(out)
     if args.json is not None:
