@@ -658,6 +658,12 @@ async def _capacity_near(
     return 0, levels
 
 
+def _against(admitted_run: dict[str, Any], capacity: int) -> tuple[float | None, bool]:
+    """Admitted / true capacity, and whether the target holds: 0.8-1.0, inside the SLO."""
+    ratio = round(admitted_run["admitted"] / capacity, 2) if capacity else None
+    return ratio, bool(ratio is not None and 0.8 <= ratio <= 1.0 and admitted_run["meets_slo"])
+
+
 def run_box(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     result: dict[str, Any] = {
@@ -689,18 +695,12 @@ def run_box(args: argparse.Namespace) -> dict[str, Any]:
     print(json.dumps(level), flush=True)
     result["admission_on"] = level
     result["admitted"] = level["admitted"]
-    result["admitted_over_true"] = round(level["admitted"] / capacity, 2) if capacity else None
-    ratio = result["admitted_over_true"]
-    result["target_met"] = bool(ratio is not None and 0.8 <= ratio <= 1.0 and level["meets_slo"])
+    result["admitted_over_true"], result["target_met"] = _against(level, capacity)
     with Server(args.port, off, tmp / f"camera-box-after-{os.getpid()}.log") as srv:
         after, after_levels = asyncio.run(_capacity_near(srv.url, level["admitted"], args))
     result["true_capacity_after"] = after
     result["levels_admission_off_after"] = after_levels
-    result["admitted_over_true_after"] = round(level["admitted"] / after, 2) if after else None
-    ratio = result["admitted_over_true_after"]
-    result["target_met_after"] = bool(
-        ratio is not None and 0.8 <= ratio <= 1.0 and level["meets_slo"]
-    )
+    result["admitted_over_true_after"], result["target_met_after"] = _against(level, after)
     result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return result
 
