@@ -63,9 +63,10 @@ and its start-up calibration, and the load average (a shared machine's figures s
 `--quick`: 20 s a level, at most 6 levels.
 
 Dtype check (`--dtype-check`): one camera (as in `--box`, 30 s after 5 s unmeasured) on serve
-as a user starts it, then on `serve --dtype float32`; their dtype lines, p50 and p99, and the
-ratio of the p50s (issue #48: within 10% on a CPU without native bf16). `.ci/run` ends with it,
-so each CI machine reports its CPU and its figures:
+as a user starts it, then on `serve --dtype float32`, then on `--dtype bfloat16`; their dtype
+lines, p50 and p99, the ratios of the p50s (issue #48: within 10% of float32's on a CPU without
+native bf16), and whether serve chose the faster of the two here. `.ci/run` ends with it, so
+each CI machine reports its CPU and its figures:
 
     .venv/bin/python -m bench.capacity --dtype-check --json docs/bench/dtype-check.json
 
@@ -705,22 +706,50 @@ def run_box(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+DTYPE_RUNS: tuple[tuple[str, list[str]], ...] = (
+    ("default", []),
+    ("float32", ["--dtype", "float32"]),
+    ("bfloat16", ["--dtype", "bfloat16"]),
+)
+
+
 def run_dtype_check(args: argparse.Namespace) -> dict[str, Any]:
-    """One camera on serve's own dtype choice, then on `--dtype float32`, back to back."""
+    """One camera on serve's own dtype choice, then on each dtype it chooses between, back to
+    back: whether serve's choice is this CPU's faster one, not only that it is float32."""
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     result: dict[str, Any] = {"cpu": _lscpu(), "serve_args": args.serve_args}
-    for name, extra in (("default", []), ("float32", ["--dtype", "float32"])):
+    for name, extra in DTYPE_RUNS:
         log = tmp / f"dtype-check-{name}-{os.getpid()}.log"
         with Server(args.port, [*args.serve_args, *extra], log) as srv:
             run = {"dtype": (srv.lines("dtype: ") or [None])[0], "startup_s": srv.startup_s}
             run.update(asyncio.run(_camera_level(srv.url, 1, _client_args(args))))
         print(json.dumps({name: run}), flush=True)
         result[name] = run
-    default, float32 = result["default"]["p50_ms"], result["float32"]["p50_ms"]
-    ratio = round(default / float32, 3) if default and float32 else None
-    result["default_over_float32_p50"] = ratio
-    result["within_10_percent"] = ratio is not None and abs(ratio - 1) <= 0.10
+    result.update(_dtype_verdict(result))
     return result
+
+
+def _dtype_verdict(result: dict[str, Any]) -> dict[str, Any]:
+    """The ratios of the p50s, and which explicit dtype answered faster here."""
+    p50 = {name: result[name]["p50_ms"] for name, _ in DTYPE_RUNS}
+    ratios = {
+        f"default_over_{name}_p50": round(p50["default"] / p50[name], 3)
+        if p50["default"] and p50[name]
+        else None
+        for name in ("float32", "bfloat16")
+    }
+    to_float32 = ratios["default_over_float32_p50"]
+    faster = None
+    if p50["float32"] and p50["bfloat16"]:
+        faster = "float32" if p50["float32"] <= p50["bfloat16"] else "bfloat16"
+    line = result["default"]["dtype"] or ""
+    chosen = line.partition("dtype: ")[2].split(" ", 1)[0].rstrip(",")
+    return {
+        **ratios,
+        "within_10_percent": to_float32 is not None and abs(to_float32 - 1) <= 0.10,
+        "faster_dtype": faster,
+        "serve_chose_faster": faster is not None and faster == chosen,
+    }
 
 
 def _dtype_check_line(result: dict[str, Any]) -> str:
@@ -729,12 +758,14 @@ def _dtype_check_line(result: dict[str, Any]) -> str:
     runs = [
         f"{name}: {result[name]['dtype']}; p50 {result[name]['p50_ms']} ms, "
         f"p99 {result[name]['p99_ms']} ms, {result[name]['answered_share']} answered"
-        for name in ("default", "float32")
+        for name, _ in DTYPE_RUNS
     ]
     return (
         f"dtype-check on {cpu.get('model')} ({cpu.get('cpus')} CPUs; {' '.join(cpu.get('flags', []))}): "
         + " | ".join(runs)
         + f" | default / float32 p50 {result['default_over_float32_p50']}"
+        + f", default / bfloat16 p50 {result['default_over_bfloat16_p50']}"
+        + f" | faster here: {result['faster_dtype']}, serve chose it: {result['serve_chose_faster']}"
     )
 
 
@@ -813,7 +844,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8031, help="--box, --startup: serve's port")
     parser.add_argument("--startup", action="store_true", help="time serve's start-up")
     parser.add_argument(
-        "--dtype-check", action="store_true", help="one camera: serve's dtype against float32"
+        "--dtype-check",
+        action="store_true",
+        help="one camera: serve's dtype against float32 and bfloat16",
     )
     parser.add_argument("--cwd", type=Path, default=Path.cwd(), help="--startup: the checkout")
     parser.add_argument("--json", type=Path, default=None)

@@ -108,3 +108,36 @@ def test_the_box_finds_the_same_true_capacity_from_wherever_admission_stopped(
         found, levels = asyncio.run(box._capacity_near("ws://unused", start, args))
     assert found == capacity
     assert len(levels) == len(tried)
+
+
+def _dtype_run(dtype: str, p50: float | None) -> dict[str, Any]:
+    return {"dtype": dtype, "p50_ms": p50, "p99_ms": p50, "answered_share": 1.0}
+
+
+def test_the_dtype_check_says_whether_serve_chose_this_cpus_faster_dtype() -> None:
+    from bench.capacity import _dtype_check_line, _dtype_verdict
+
+    no_bf16 = {
+        "cpu": {"model": "AVX2 box", "cpus": 2, "flags": ["avx2"]},
+        "default": _dtype_run(
+            "INFO 12-08 dtype: float32, the CPU has no native bf16 (no avx512_bf16/amx_bf16 flag)",
+            620.0,
+        ),
+        "float32": _dtype_run("dtype: float32 (--dtype)", 600.0),
+        "bfloat16": _dtype_run("dtype: bfloat16 (--dtype)", 1301.0),
+    }
+    no_bf16.update(_dtype_verdict(no_bf16))
+    assert no_bf16["within_10_percent"] and no_bf16["serve_chose_faster"]
+    assert no_bf16["faster_dtype"] == "float32"
+    assert no_bf16["default_over_bfloat16_p50"] == round(620 / 1301, 3)
+    line = _dtype_check_line(no_bf16)
+    assert "AVX2 box" in line and "faster here: float32, serve chose it: True" in line
+
+    wrong = {**no_bf16, "bfloat16": _dtype_run("dtype: bfloat16 (--dtype)", 400.0)}
+    wrong.update(_dtype_verdict(wrong))
+    assert wrong["faster_dtype"] == "bfloat16" and not wrong["serve_chose_faster"]
+
+    unanswered = {**no_bf16, "bfloat16": _dtype_run("dtype: bfloat16 (--dtype)", None)}
+    unanswered.update(_dtype_verdict(unanswered))
+    assert unanswered["faster_dtype"] is None and not unanswered["serve_chose_faster"]
+    assert unanswered["default_over_bfloat16_p50"] is None
