@@ -292,7 +292,10 @@ class Connection:
         self.session.touch()
         resume_tokens = self.serving.resume_tokens
         assert resume_tokens is not None
+        rotated_here = token is None
         token = resume_tokens.issue(self.proto.session_id, self.owner, self, token)
+        if rotated_here and self.hub.store is not None:
+            await self.session.token_rotated(token)
         resumed = self.proto.resumed(token)
         if reprefilled is not None:
             resumed = resumed.model_copy(

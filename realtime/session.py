@@ -152,6 +152,8 @@ class Session:
         # and what rewrites the whole record if Redis restarts without it: the current token's
         # digest, the Redis run id of the last write, every retained frame's bytes.
         self.store_ok = True
+        # Opened while the store was down: the keeper writes the whole record once it answers.
+        self.store_pending = False
         self.last_state: StoredSession | None = None
         self.token_digest: str | None = None
         self.store_run: str | None = None
@@ -230,7 +232,7 @@ class Session:
     ) -> tuple[ResponseDoneEvent, StoredSession | None]:
         """The turn's response.done with `stored` set, once its fold is written (before the
         client sees it: a client that has its reply can resume it), and the state written."""
-        if self.fence is None or outcome.close_reason is not None:
+        if (self.fence is None and not self.store_pending) or outcome.close_reason is not None:
             return outcome.done, None
         stored = self.stored_state(frame)
         written = await self.persist(stored)
@@ -313,15 +315,17 @@ class Session:
             fence = await store.create(self.session_id, self.owner, token, self.grace(), state)
         except Exception as exc:
             # The store is down at the open: the session is served, resumable on this replica
-            # only (its replies' `stored` stays null), as if opened without a store.
+            # only (its replies say `stored: false`) until the keeper stores it (_store_late).
             log.warning("session store unreachable at open: %s", type(exc).__name__)
-            return
-        self.fence, self.store_run, self.last_state = fence, run, state
+            self.store_pending, self.store_ok = True, False
+        else:
+            self.fence, self.store_run = fence, run
+        self.last_state = state
         self.token_digest = digest(token)
         self.keeper = asyncio.create_task(self.keep_lease())
 
     def start_keeper(self) -> None:
-        if self.fence is not None and self.keeper is None:
+        if (self.fence is not None or self.store_pending) and self.keeper is None:
             self.keeper = asyncio.create_task(self.keep_lease())
 
     async def stop_storing(self, *, keep_record: bool) -> None:
@@ -331,6 +335,10 @@ class Session:
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
         fence, self.fence = self.fence, None
+        if self.store_pending:
+            # The keeper may have been cancelled with its record written and its fence not
+            # yet noted: a late record has fence 1.
+            self.store_pending, fence = False, 1
         if fence is not None and self.hub.store is not None and not keep_record:
             with contextlib.suppress(Exception):
                 await self.hub.store.delete(self.session_id, fence)
@@ -451,8 +459,14 @@ class Session:
         store = self.hub.store
         assert store is not None
         period = min(1.0, self.grace() / 4)
-        while not self.closed and self.fence is not None:
+        while not self.closed and (self.fence is not None or self.store_pending):
             await asyncio.sleep(period)
+            if self.store_pending:
+                with contextlib.suppress(Exception):  # still down: try again
+                    await self._store_late()
+                continue
+            if self.fence is None:
+                break
             try:
                 held = await store.refresh(self.session_id, self.fence, self.grace(), probe=True)
                 if held and not self.store_ok:
@@ -478,6 +492,47 @@ class Session:
         self.fence = None
         if self.on_lost is not None:
             await self.on_lost()
+
+    async def _store_late(self) -> None:
+        """The store was down at the open and answers now: write the session's whole record
+        (fence 1, its last fold, every retained frame), as the open would have."""
+        store = self.hub.store
+        assert store is not None and self.token_digest is not None
+        assert self.last_state is not None
+        async with self.store_lock:
+            if not self.store_pending or self.closed:
+                return
+            run = await store.run_id()
+            done = await store.recreate(
+                self.session_id,
+                self.owner,
+                self.token_digest,
+                1,
+                self.grace(),
+                self.last_state,
+                self.frames_held,
+            )
+            self.store_pending = False
+            if not done:  # pragma: no cover (a record under a fresh session id)
+                log.warning("session store already holds id=%s", self.session_id[:12])
+                return
+            self.fence, self.store_run, self.store_ok = 1, run, True
+            self.frames_unwritten.clear()
+            self.frames_to_drop.clear()
+            log.info("session stored id=%s (the store was down at its open)", self.session_id[:12])
+
+    async def token_rotated(self, token: str) -> None:
+        """A resume on this replica without the store issued `token`. If the keeper stored the
+        session meanwhile (_store_late), the store must know the new token, not the old."""
+        async with self.store_lock:
+            self.token_digest = digest(token)
+            store = self.hub.store
+            if self.fence is None or store is None:
+                return
+            try:
+                await store.set_token(self.session_id, self.fence, self.token_digest, self.grace())
+            except Exception as exc:
+                log.warning("session store token write failed: %s", type(exc).__name__)
 
     async def _rewrite(self) -> None:
         """Write the last fold again (a write failed while the store was down)."""
@@ -563,6 +618,8 @@ class Session:
         answer: False, and the session goes on (`store_ok` False until a write succeeds)."""
         store = self.hub.store
         if store is None or self.fence is None:
+            if self.store_pending:
+                self.last_state = state  # what _store_late writes
             return False
         self.last_state = state
         frames, drop = dict(self.frames_unwritten), set(self.frames_to_drop)

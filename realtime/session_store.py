@@ -400,6 +400,17 @@ class SessionStore:
         )
         return bool(ok)
 
+    async def set_token(
+        self, session_id: str, fence: int, token_digest: str, grace_s: float
+    ) -> bool:
+        """A held session's resume token changed on this replica: the store keeps its digest."""
+        ok = await self._call(
+            self._set(
+                keys=[self.key(session_id)], args=[fence, _ms(grace_s), "token", token_digest]
+            )
+        )
+        return bool(ok)
+
     async def delete(self, session_id: str, fence: int) -> bool:
         """The session closed or expired here: remove it, unless another replica holds it."""
         return bool(await self._call(self._delete(keys=[self.key(session_id)], args=[fence])))

@@ -12,6 +12,9 @@ config (docker/nginx/realtime.conf).
   folds by itself once Redis answers. Then a restart that lost everything: the owner writes
   each session's whole record again (a video session's retained frames included), the idle
   video session's too, and both sessions then resume on the other replica.
+* A text and a video session opened while Redis is down are served (`stored: false`) and
+  stored by their keeper once it is back (fence 1, the video's frames), then resume on the
+  other replica.
 * A slow reader (5,000 `frame.append` sent without reading a byte) holds no memory on the
   server, which serves another client meanwhile.
 * The EngineCore of the replica holding a text session (through the Python SDK and the router,
@@ -249,6 +252,50 @@ async def test_redis_outages_mid_session(
         f"next_frame_index {texts}), video rebuilt ({vresumed['reprefilled_tokens']} tokens, "
         f"{frames} frames)"
     )
+    assert await redis_client.keys("vrt:session:*") == []
+
+
+async def test_a_session_opened_while_redis_is_down_is_stored_once_it_is_back(
+    pair: list[Replica], restartable_redis: RestartableRedis, redis_client: Any
+) -> None:
+    """Its replies say `stored: false` while Redis is down; once it answers, the keeper writes
+    the whole record (a video session's frames too), and the sessions resume on the other
+    replica from it."""
+    a, b = pair
+    redis = restartable_redis
+    redis.stop(keep_data=False)
+    try:
+        ws, sid, token = await open_text(a)
+        video, vsid, vtoken = await open_video(a)
+        assert (await say(ws, TURNS[0]))["stored"] is False
+        for i in range(2):
+            assert (await show(video, i))["stored"] is False
+    finally:
+        redis.start()
+    back = time.monotonic()
+    took_text = await wait_stored(redis_client, sid, 1)
+    await wait_stored(redis_client, vsid, 2)
+    took_video = time.monotonic() - back
+    record = await redis_client.hgetall(f"vrt:session:{vsid}")
+    assert record["fence"] == "1"
+    assert sorted(k for k in record if k.startswith("frame:")) == ["frame:0", "frame:1"]
+    assert (await say(ws, TURNS[1]))["stored"] is True
+    assert (await show(video, 2))["stored"] is True
+    print(
+        f"opened while Redis was down: stored {took_text:.1f} s (text) and {took_video:.1f} s "
+        "(video) after it was back"
+    )
+    await ws.close()
+    await video.close()
+    new, resumed = await resume(b, sid, token)
+    assert resumed["type"] == "session.resumed" and resumed["rebuilt"] is True, resumed
+    assert resumed["next_frame_index"] == 2, resumed
+    assert "Biscuit" in (await say(new, QUESTION))["text"]
+    await close(new)
+    vnew, vresumed = await resume(b, vsid, vtoken)
+    assert vresumed["type"] == "session.resumed" and vresumed["rebuilt"] is True, vresumed
+    assert vresumed["next_frame_index"] == 3, vresumed
+    await close(vnew)
     assert await redis_client.keys("vrt:session:*") == []
 
 
