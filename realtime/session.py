@@ -154,6 +154,7 @@ class Session:
         self.store_ok = True
         # Opened while the store was down: the keeper writes the whole record once it answers.
         self.store_pending = False
+        self.store_late_sent = False
         self.last_state: StoredSession | None = None
         self.token_digest: str | None = None
         self.store_run: str | None = None
@@ -335,10 +336,11 @@ class Session:
         if keeper is not None and keeper is not asyncio.current_task():
             keeper.cancel()
         fence, self.fence = self.fence, None
-        if self.store_pending:
-            # The keeper may have been cancelled with its record written and its fence not
-            # yet noted: a late record has fence 1.
-            self.store_pending, fence = False, 1
+        if self.store_pending and self.store_late_sent:
+            # The keeper was cancelled with its record maybe written and its fence not yet
+            # noted: a late record has fence 1.
+            fence = 1
+        self.store_pending = False
         if fence is not None and self.hub.store is not None and not keep_record:
             with contextlib.suppress(Exception):
                 await self.hub.store.delete(self.session_id, fence)
@@ -503,6 +505,7 @@ class Session:
             if not self.store_pending or self.closed:
                 return
             run = await store.run_id()
+            self.store_late_sent = True
             done = await store.recreate(
                 self.session_id,
                 self.owner,
