@@ -75,7 +75,8 @@ def test_retention_max_position_must_be_positive() -> None:
 async def test_serve_answers_health_and_websocket() -> None:
     # served() also checks that SIGINT drains and exits 0 (realtime/drain.py); it used to
     # re-raise the signal.
-    flags = ["--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "1024"]
+    # 64 MiB: the context at float32 (serve's dtype on a CPU without native bf16) needs 41.
+    flags = ["--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "1024"]
     async with served(*flags, "--block-size", "32") as port:
         url = f"ws://127.0.0.1:{port}/v1/realtime"
         async with websockets.connect(url, subprotocols=["vllm-realtime"]) as ws:
