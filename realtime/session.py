@@ -501,10 +501,11 @@ class Session:
         store = self.hub.store
         assert store is not None and self.token_digest is not None
         assert self.last_state is not None
+        # Outside the lock: while Redis is down this call waits, and a turn's fold must not.
+        run = await store.run_id()
         async with self.store_lock:
             if not self.store_pending or self.closed:
                 return
-            run = await store.run_id()
             self.store_late_sent = True
             done = await store.recreate(
                 self.session_id,
